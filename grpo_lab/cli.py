@@ -1,0 +1,196 @@
+"""Command line: `python -m grpo_lab train ...` and `python -m grpo_lab build-model`.
+
+User mistakes (a bad flag or value) get one line and exit code 2, never a traceback.
+A run that crashes prints the real error, then a short diagnosis, and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+from .config import PRESETS, ConfigError, GRPOConfig, preset
+
+# config fields that are not flags: set by other means or not meant for the command line
+NOT_FLAGS = {"extra", "seed", "steps"}
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print usage too)
+        raise UsageError(message)
+
+
+def _optional_float(name: str):
+    def parse(text: str) -> float | None:
+        if text.lower() in ("none", "off"):
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} takes a number or 'none' (got {text!r})"
+            ) from None
+
+    return parse
+
+
+def _field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    hint = typing.get_type_hints(GRPOConfig)[f.name]
+    doc = FIELD_DOCS.get(f.name, "")
+    if hint is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
+    elif hint in (int, float, str):
+        parser.add_argument(flag, type=hint, default=None, help=doc)
+    elif isinstance(hint, types.UnionType) and float in typing.get_args(hint):
+        parser.add_argument(flag, type=_optional_float(flag), default=None, help=doc,
+                            metavar="X|none")
+    else:  # str | None
+        parser.add_argument(flag, type=str, default=None, help=doc)
+
+
+def _field_docs() -> dict[str, str]:
+    """The docstring under each GRPOConfig field, for --help."""
+    import ast
+    import inspect
+
+    from . import config
+
+    tree = ast.parse(inspect.getsource(config))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOConfig")
+    docs, last = {}, None
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign):
+            last = node.target.id
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
+            docs[last] = " ".join(str(node.value.value).split()).replace("%", "%%")
+            last = None
+    return docs
+
+
+FIELD_DOCS = _field_docs()
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="python -m grpo_lab", description="GRPO Lab command line")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    train = sub.add_parser("train", help="train with a preset; writes metrics, plot, checkpoints")
+    train.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    train.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", type=Path, required=True, help="output directory")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its checkpoint")
+    train.add_argument("--config", type=Path, default=None,
+                       help="JSON file of config fields applied on top of the preset")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name not in NOT_FLAGS:
+            _field_flag(train, f)
+
+    build = sub.add_parser("build-model", help="regenerate the shipped tiny GPT-2")
+    build.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def _config_from_args(args) -> GRPOConfig:
+    overrides: dict = {}
+    if args.config is not None:
+        try:
+            overrides.update(json.loads(args.config.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"--config {args.config}: {e}") from None
+        if not isinstance(overrides, dict):
+            raise UsageError(f"--config {args.config}: must hold a JSON object of config fields")
+        known = {f.name for f in dataclasses.fields(GRPOConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise UsageError(f"--config {args.config}: unknown config field {unknown[0]!r}")
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None:
+            overrides[f.name] = getattr(args, f.name)
+    overrides["seed"] = args.seed
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    return preset(args.preset, **overrides)
+
+
+def cmd_train(args) -> int:
+    from .plots import plot_run
+    from .trainer import CHECKPOINT, METRICS, Trainer
+
+    out: Path = args.out
+    has_run = (out / CHECKPOINT).exists() or (out / METRICS).exists()
+    if args.resume:
+        if not (out / CHECKPOINT).exists():
+            raise UsageError(f"--resume: no {CHECKPOINT} in {out} to continue from")
+        saved = json.loads((out / "config.json").read_text())
+        if args.steps is not None:
+            saved["steps"] = args.steps
+        cfg = GRPOConfig.from_dict(saved)
+    else:
+        cfg = _config_from_args(args)
+        if has_run:
+            raise UsageError(
+                f"--out {out} already holds a run; add --resume to continue it or pick a new --out"
+            )
+
+    trainer = Trainer(cfg, out_dir=out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        trainer.load_checkpoint()
+        print(f"[grpo_lab] resuming {out} at step {trainer.step_count} of {cfg.steps}")
+    else:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    plot_path = out / "metrics.png"
+    try:
+        trainer.train(progress=not args.no_progress)
+    except Exception as e:
+        print(f"\nerror at step {trainer.step_count + 1}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        print("diagnosis:\n  " + trainer.diagnosis().replace("\n", "\n  "), file=sys.stderr)
+        plot_run(trainer.history, plot_path, title=f"{args.preset} (crashed)")
+        print(f"metrics: {out / METRICS}  plot: {plot_path}", file=sys.stderr)
+        return 1
+    plot_run(trainer.history, plot_path, title=args.preset)
+    evals = [m["eval/accuracy"] for m in trainer.history if "eval/accuracy" in m]
+    print(
+        f"[grpo_lab] done: {trainer.step_count} steps, eval/accuracy {evals[0]:.3f} -> "
+        f"{evals[-1]:.3f}; metrics: {out / METRICS}  plot: {plot_path}  "
+        f"checkpoint: {out / CHECKPOINT}"
+    )
+    return 0
+
+
+def cmd_build_model(args) -> int:
+    from .models import TINY_MODEL_DIR
+    from .warmstart import build_tiny_model
+
+    build_tiny_model(args.out or TINY_MODEL_DIR)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "train":
+            return cmd_train(args)
+        return cmd_build_model(args)
+    except (UsageError, ConfigError) as e:
+        print(f"grpo_lab: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Policy, tokenizer and reference model for the two profiles.
+
+- `cpu`: a tiny GPT-2 (GPT2LMHeadModel, ~0.8M parameters) with a character tokenizer,
+  warm-started on the addition task and shipped in `grpo_lab/assets/tiny-gpt2`.
+- `gpu`: GPT-2 124M. Pretrained `gpt2` via `from_pretrained` where the hub (or its cache)
+  is reachable, else the 124M architecture with the character tokenizer; either way
+  warm-started on the task once and cached (see `warmstart.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from .config import PROFILES, ConfigError
+
+ASSETS = Path(__file__).parent / "assets"
+TINY_MODEL_DIR = ASSETS / "tiny-gpt2"
+CACHE_DIR = Path(os.environ.get("GRPO_LAB_CACHE", Path.home() / ".cache" / "grpo_lab"))
+
+EOS = "<|endoftext|>"
+PAD = "<pad>"
+CHARS = "0123456789+= "
+
+
+def resolve_profile(profile: str | None = None) -> str:
+    """The profile to use: the argument, else $GRPO_LAB_PROFILE, else by CUDA presence."""
+    if profile is None:
+        env = os.environ.get("GRPO_LAB_PROFILE", "").strip()
+        if env:
+            if env not in PROFILES:
+                raise ConfigError(f"GRPO_LAB_PROFILE must be 'cpu' or 'gpu' (got {env!r})")
+            return env
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if profile not in PROFILES:
+        raise ConfigError(f"profile must be 'cpu' or 'gpu' (got {profile!r})")
+    return profile
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {device!r})") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device is {device!r} but CUDA is not available on this machine")
+    return dev
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """The offline character tokenizer: end-of-text (id 0), pad (id 1), then one id per
+    character of CHARS. Built in code, so no hub is needed."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate([EOS, PAD, *CHARS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=PAD,
+        padding_side="left", model_max_length=32,
+    )
+
+
+def tiny_gpt2_config(vocab_size: int) -> GPT2Config:
+    """~0.8M parameters: 4 layers, 4 heads, width 128, 32 positions."""
+    return GPT2Config(
+        vocab_size=vocab_size, n_positions=32, n_embd=128, n_layer=4, n_head=4,
+        bos_token_id=0, eos_token_id=0, pad_token_id=1,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+
+
+def gpt2_124m_config(vocab_size: int, pad_token_id: int, eos_token_id: int) -> GPT2Config:
+    """The GPT-2 small architecture (12 layers, 12 heads, width 768)."""
+    return GPT2Config(
+        vocab_size=vocab_size, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+    )
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Left padding for generation; GPT-2's tokenizer has no pad token, so reuse EOS
+    (adding a new pad token would need resized embeddings: see the sampling notebook)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_local(path: str | Path) -> tuple[GPT2LMHeadModel, PreTrainedTokenizerBase]:
+    """Load a policy and tokenizer saved with `save_pretrained` in one directory."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model_path {str(path)!r} has no config.json (save_pretrained layout)")
+    with quiet_loading():
+        model = GPT2LMHeadModel.from_pretrained(path)
+        tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(path))
+    return model, tokenizer
+
+
+@contextmanager
+def quiet_loading():
+    """No 'Loading weights' progress bar for a model that loads in milliseconds."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_pretrained_gpt2(name_or_path: str = "gpt2"):
+    """Pretrained GPT-2 from the hub, its cache, or a local `save_pretrained` directory.
+
+    Returns (model, tokenizer), or None with a printed message naming the fallback when
+    it cannot be reached (offline, no cache)."""
+    from transformers import AutoTokenizer
+
+    try:
+        model = GPT2LMHeadModel.from_pretrained(name_or_path)
+        tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path))
+    except OSError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"[grpo_lab] pretrained {name_or_path!r} is not reachable ({first_line[:160]}); "
+            "falling back to the GPT-2 124M architecture warm-started on the task"
+        )
+        return None
+    return model, tokenizer
+
+
+def load_policy(profile: str | None = None, model_path: str | Path | None = None):
+    """(policy, tokenizer) for a profile, or from `model_path` when given."""
+    if model_path is not None:
+        return load_local(model_path)
+    profile = resolve_profile(profile)
+    if profile == "cpu":
+        if not (TINY_MODEL_DIR / "model.safetensors").is_file():
+            raise FileNotFoundError(
+                f"the shipped tiny model is missing from {TINY_MODEL_DIR}; "
+                "regenerate it with `python -m grpo_lab build-model`"
+            )
+        return load_local(TINY_MODEL_DIR)
+    from .warmstart import gpu_policy
+
+    return gpu_policy()
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Dropout off everywhere (as TRL does for GRPO): with it on, the training forward
+    would not reproduce the sampling-time log-probs and the ratio would not start at 1."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference model: a copy that never trains and never tracks gradients."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,173 @@
+"""Sampling G completions per prompt with `model.generate`, and greedy evaluation.
+
+Prompts are left-padded (so every row's last prompt token sits at the same column and
+generation appends after it) with an attention mask; position ids come from the mask.
+A completion ends at its first end-of-text token, which is kept (the model must learn to
+stop); everything after it is padding and masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from .objective import token_logprobs
+
+
+class SamplingError(RuntimeError):
+    """The policy produced logits that cannot be sampled from (safe sampling only)."""
+
+
+class SanitizeLogits(LogitsProcessor):
+    """NaN -> -inf and +inf -> the largest finite float, then refuse a row with no
+    finite logit left, with a message that names the cause instead of a multinomial crash."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        bad = ~torch.isfinite(scores)
+        if not bad.any():
+            return scores
+        n_nan = int(torch.isnan(scores).sum())
+        scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(scores.dtype).max)
+        dead = ~torch.isfinite(scores).any(-1)
+        if dead.any():
+            raise SamplingError(
+                f"{int(dead.sum())} of {scores.shape[0]} rows have no finite logit "
+                f"({n_nan} NaN values) at completion position {input_ids.shape[1]}: the "
+                "policy's parameters are probably non-finite; check the health metrics "
+                "(nonfinite_params) and roll back to the last healthy snapshot"
+            )
+        return scores
+
+
+@dataclass
+class Rollout:
+    """One step's samples. B = prompts x G; P prompt columns; C completion columns."""
+
+    input_ids: torch.Tensor  # (B, P + C) prompt then completion, left-padded
+    attention_mask: torch.Tensor  # (B, P + C) 1 on prompt tokens and on the completion up to EOS
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including the first EOS
+    sampling_logprobs: torch.Tensor  # (B, C) log-probs the sampler drew each token with
+    completions: list[str]  # (B,) decoded completions, without EOS
+    prompt_index: torch.Tensor  # (B,) which prompt each row belongs to
+
+    @property
+    def completion_ids(self) -> torch.Tensor:  # (B, C)
+        return self.input_ids[:, -self.completion_length :]
+
+    @property
+    def completion_length(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, C) ids -> (B, C) long mask: 1 up to and including the first EOS, else 0."""
+    is_eos = completion_ids == eos_token_id
+    # number of EOS strictly before each position; a token counts while that is 0
+    eos_before = is_eos.long().cumsum(-1) - is_eos.long()
+    return (eos_before == 0).long()
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    eos = tokenizer.eos_token_id
+    out = []
+    for ids, m in zip(completion_ids.tolist(), mask.tolist(), strict=True):
+        kept = [t for t, keep in zip(ids, m, strict=True) if keep and t != eos]
+        out.append(tokenizer.decode(kept))
+    return out
+
+
+def encode_prompts(tokenizer, prompts: list[str], device: torch.device):
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
+                      top_k: int = 0, top_p: float = 1.0, **extra) -> GenerationConfig:
+    """Sampling flags passed to generate() itself: passing temperature/top-p through a
+    logits processor, or with do_sample=False, is report 003's 'flags are not valid and
+    may be ignored' bug."""
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, do_sample=do_sample,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **extra,
+    )
+    if do_sample:
+        kwargs.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    return GenerationConfig(**kwargs)
+
+
+@torch.no_grad()
+def sample_group(
+    model,
+    tokenizer,
+    prompts: list[str],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    safe: bool = False,
+) -> Rollout:
+    """Sample `group_size` completions for each prompt (rows grouped by prompt)."""
+    device = next(model.parameters()).device
+    repeated = [p for p in prompts for _ in range(group_size)]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, repeated, device)  # (B, P)
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        generation_config=generation_config(
+            tokenizer, max_new_tokens, True, temperature, top_k, top_p,
+            output_logits=True, return_dict_in_generate=True,
+        ),
+        logits_processor=LogitsProcessorList([SanitizeLogits()]) if safe else None,
+    )
+    model.train(was_training)
+    completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # (B, C)
+    raw_logits = torch.stack(out.logits, dim=1)  # (B, C, V) before any processor
+    sampling_logprobs = token_logprobs(raw_logits / temperature, completion_ids)
+    completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
+    sampling_logprobs = sampling_logprobs * completion_mask  # padding carries no log-prob
+    return Rollout(
+        input_ids=out.sequences,
+        attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+        completion_mask=completion_mask,
+        sampling_logprobs=sampling_logprobs,
+        completions=decode_completions(tokenizer, completion_ids, completion_mask),
+        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(group_size),
+    )
+
+
+@torch.no_grad()
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
+                       batch_size: int = 256) -> list[str]:
+    """Greedy (argmax) completions, for evaluation."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    for i in range(0, len(prompts), batch_size):
+        ids, mask = encode_prompts(tokenizer, prompts[i : i + batch_size], device)
+        seq = model.generate(
+            input_ids=ids, attention_mask=mask,
+            generation_config=generation_config(tokenizer, max_new_tokens, False),
+        )
+        comp = seq[:, ids.shape[1] :]
+        texts += decode_completions(
+            tokenizer, comp, completion_mask_from_ids(comp, tokenizer.eos_token_id)
+        )
+    model.train(was_training)
+    return texts
+
+
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int) -> float:
+    """Fraction of `problems` whose greedy completion is exactly the answer."""
+    from .tasks import addition_reward
+
+    texts = greedy_completions(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
+    rewards = addition_reward(texts, [p.answer for p in problems])
+    return sum(rewards) / len(rewards)

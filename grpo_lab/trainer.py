@@ -1,0 +1,393 @@
+"""The GRPO trainer, readable top to bottom: `Trainer.step()` is one GRPO step.
+
+    sample G completions per prompt (old policy = the sampling policy)
+    score them -> group-normalised advantages
+    one no-grad forward of the frozen reference for the KL term
+    for each of mu iterations: accumulate gradients over micro-batches, then one update
+    safety rules (each a config switch): skip non-finite / spiking updates, clip,
+    check parameter health and roll back to the last healthy snapshot
+
+Every step returns (and the CLI writes) one dict of metrics named as in TRL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from . import bugs
+from .config import GRPOConfig
+from .health import (
+    Snapshot,
+    first_nonfinite_grad,
+    first_nonfinite_param,
+    nonfinite_count,
+    nonfinite_params,
+)
+from .models import disable_dropout, frozen_copy, load_policy, resolve_device
+from .objective import (
+    clipped_surrogate,
+    completion_logits,
+    completion_logprobs,
+    entropy_from_logits,
+    group_advantages,
+    kl_k3,
+    token_logprobs,
+    token_weights,
+)
+from .sampling import greedy_accuracy, sample_group
+from .tasks import ProblemStream, addition_reward, checked_rewards, eval_problems
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+SPIKE_WINDOW = 20  # accepted grad norms the spike rule takes its median over
+
+
+def micro_batches(n: int, k: int) -> list[slice]:
+    """Split range(n) into k contiguous, non-empty slices (sizes differ by at most 1).
+
+    Report 004's chunking computed `n // k` rows per chunk, which is 0 when n < k and
+    gives an empty micro-batch ('batch size must be positive'); this refuses that case."""
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot split {n} rows into {k} non-empty micro-batches")
+    sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    starts = [sum(sizes[:i]) for i in range(k)]
+    return [slice(s, s + z) for s, z in zip(starts, sizes, strict=True)]
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        model=None,
+        tokenizer=None,
+        reward_fn: Callable = addition_reward,
+        out_dir: str | Path | None = None,
+    ):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        if model is None:
+            model, tokenizer = load_policy(cfg.profile, cfg.model_path)
+        elif tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        self.policy = disable_dropout(model.to(self.device)).train()
+        self.tokenizer = tokenizer
+        # the reference is the starting policy, frozen: KL and (naive) the ratio use it
+        needs_ref = cfg.beta > 0 or cfg.ratio_against == "reference"
+        self.reference = frozen_copy(self.policy) if needs_ref else None
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.amp == "fp16" else None
+        self.reward_fn = reward_fn
+        self.stream = ProblemStream(cfg.seed)
+        self.eval_set = eval_problems(cfg.eval_size)
+        self.step_count = 0
+        self.accepted_grad_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.history: list[dict] = []
+        self.snapshot = Snapshot(self.policy, self.optimizer, 0) if cfg.health_check else None
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+
+    # ---- one step ------------------------------------------------------------------------
+    def _autocast(self):
+        if self.cfg.amp == "none":
+            return nullcontext()
+        dtype = torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def step(self) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        problems = self.stream.sample(cfg.prompts_per_step)
+        rollout = sample_group(
+            self.policy, self.tokenizer, [p.prompt for p in problems], cfg.group_size,
+            cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, safe=cfg.safe_sampling,
+        )
+        answers = [p.answer for p in problems for _ in range(cfg.group_size)]
+        rewards = torch.tensor(
+            checked_rewards(self.reward_fn, rollout.completions, answer=answers),
+            device=self.device,
+        )  # (B,)
+        advantages = group_advantages(
+            rewards, cfg.group_size, cfg.advantage_eps, cfg.scale_rewards
+        )  # (B,)
+        if cfg.advantage_clamp is not None:
+            advantages = advantages.clamp(-cfg.advantage_clamp, cfg.advantage_clamp)
+
+        ids, attn, mask = rollout.input_ids, rollout.attention_mask, rollout.completion_mask
+        C = rollout.completion_length
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad(), self._autocast():
+                ref_logp = completion_logprobs(
+                    self.reference, ids, attn, C, cfg.temperature, cfg.logit_clamp
+                )  # (B, C)
+        old_logp = rollout.sampling_logprobs  # (B, C): pi_old is the policy that sampled
+        baseline = old_logp if cfg.ratio_against == "old" else ref_logp
+        surrogate = (
+            clipped_surrogate if cfg.clip_term == "clipped_ratio" else bugs.constant_clip_surrogate
+        )
+        weights = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C), whole batch
+        n_tokens = mask.sum().clamp(min=1)
+        slices = micro_batches(ids.shape[0], cfg.grad_accum_steps)
+
+        skipped = 0
+        for _ in range(cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = kl_sum = clip_sum = ent_sum = 0.0
+            max_abs_log_ratio = torch.zeros((), device=self.device)
+            for sl in slices:
+                with self._autocast():
+                    logits = completion_logits(
+                        self.policy, ids[sl], attn[sl], C, cfg.temperature, cfg.logit_clamp
+                    )  # (b, C, V)
+                logp = token_logprobs(logits, ids[sl, -C:])  # (b, C)
+                ratio_logp, ratio_baseline = logp, baseline[sl]
+                if cfg.ratio_level == "sequence":  # report 001: one summed log-ratio per row
+                    ratio_logp, ratio_baseline = bugs.sequence_log_ratio_inputs(
+                        logp, baseline[sl], mask[sl]
+                    )
+                per_token, region_clipped = surrogate(
+                    ratio_logp, ratio_baseline, advantages[sl], cfg.epsilon_low, cfg.epsilon_high,
+                    cfg.log_ratio_clamp,
+                )
+                if cfg.beta > 0:
+                    kl = kl_k3(logp, ref_logp[sl])
+                    per_token = per_token + cfg.beta * kl
+                    kl_sum = kl_sum + (kl.detach() * mask[sl]).sum()
+                loss = (per_token * weights[sl]).sum()  # sums to the full-batch loss
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                loss_sum = loss_sum + loss.detach()
+                m = mask[sl].bool()
+                clip_sum = clip_sum + (region_clipped & m).sum()
+                ent_sum = ent_sum + (entropy_from_logits(logits.detach()) * m).sum()
+                log_ratio = (ratio_logp.detach() - ratio_baseline).abs().masked_fill(~m, 0)
+                max_abs_log_ratio = torch.maximum(max_abs_log_ratio, log_ratio.max())
+            skipped += self._update()
+
+        self.step_count += 1
+        rolled_back = self._check_health()
+        grouped = rewards.view(-1, cfg.group_size)
+        group_std = grouped.std(dim=1)
+        metrics = {
+            "step": self.step_count,
+            "reward": rewards.mean().item(),
+            "reward_std": group_std.mean().item(),
+            "frac_reward_zero_std": (group_std == 0).float().mean().item(),
+            "loss": float(loss_sum),
+            "kl": float(kl_sum / n_tokens) if cfg.beta > 0 else 0.0,
+            "clip_ratio/region_mean": float(clip_sum / n_tokens),
+            "grad_norm": self.last_grad_norm,
+            "entropy": float(ent_sum / n_tokens),
+            "completions/mean_length": mask.sum(-1).float().mean().item(),
+            "log_ratio/max_abs": float(max_abs_log_ratio),
+            "skipped": skipped,
+            "rolled_back": rolled_back,
+            "nonfinite_params": self.last_nonfinite_params,
+        }
+        if self._eval_due():
+            metrics["eval/accuracy"] = self.evaluate()
+        metrics["step_time"] = time.perf_counter() - t0
+        self.history.append(metrics)
+        return metrics
+
+    def _update(self) -> int:
+        """Grad norm, safety rules, then the optimizer step. Returns 1 if skipped."""
+        cfg, params = self.cfg, list(self.policy.parameters())
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
+        # the norm before clipping: what TRL logs as grad_norm
+        grad_norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        ).item()
+        self.last_grad_norm = grad_norm
+        finite = math.isfinite(grad_norm)
+        skip = False
+        if cfg.skip_nonfinite_grad and not finite:
+            skip = True
+        if cfg.spike_skip_factor is not None and finite and len(self.accepted_grad_norms) >= 5:
+            if grad_norm > cfg.spike_skip_factor * statistics.median(self.accepted_grad_norms):
+                skip = True
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler:
+                # the scaler saw this step's unscale_; update() must still run, or the next
+                # scaler.step raises "No inf checks were recorded" (report 004)
+                self.scaler.update()
+            return 1
+        if cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if finite:
+            self.accepted_grad_norms.append(grad_norm)
+        return 0
+
+    def _check_health(self) -> int:
+        """Count non-finite parameters; with health_check on, roll back when any are found.
+        Returns 1 if this step was rolled back."""
+        self.last_nonfinite_params = nonfinite_params(self.policy)
+        if not self.cfg.health_check:
+            return 0
+        if self.last_nonfinite_params:
+            self.snapshot.restore(self.policy, self.optimizer)
+            return 1
+        if self.step_count % self.cfg.snapshot_every == 0:
+            self.snapshot = Snapshot(self.policy, self.optimizer, self.step_count)
+        return 0
+
+    def _eval_due(self) -> bool:
+        every = self.cfg.eval_every
+        return self.step_count == self.cfg.steps or (every > 0 and self.step_count % every == 0)
+
+    def evaluate(self) -> float:
+        """Greedy accuracy on the fixed held-out set."""
+        return greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg.max_new_tokens)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def train(self, steps: int | None = None, progress: bool = True, callback=None) -> list[dict]:
+        """Run until `steps` (default cfg.steps) steps are done. With out_dir set, writes
+        metrics.jsonl (eval/accuracy at step 0 too), checkpoints and resumes from them."""
+        from tqdm.auto import tqdm
+
+        total = self.cfg.steps if steps is None else steps
+        if self.step_count == 0 and not self.history:
+            start = {"step": 0, "eval/accuracy": self.evaluate(), "nonfinite_params": 0}
+            self.history.append(start)
+            self._write_metrics(start)
+        bar = tqdm(total=total, initial=self.step_count, disable=not progress, desc="GRPO",
+                   unit="step", dynamic_ncols=True)
+        try:
+            while self.step_count < total:
+                m = self.step()
+                self._write_metrics(m)
+                if self._checkpoint_due():
+                    self.save_checkpoint()
+                bar.update(1)
+                postfix = {"reward": f"{m['reward']:.2f}", "grad_norm": f"{m['grad_norm']:.3g}"}
+                if "eval/accuracy" in m:
+                    postfix["acc"] = f"{m['eval/accuracy']:.2f}"
+                bar.set_postfix(postfix)
+                if callback is not None:
+                    callback(m)
+        finally:
+            bar.close()
+        return self.history
+
+    def _checkpoint_due(self) -> bool:
+        if self.out_dir is None:
+            return False
+        every = self.cfg.checkpoint_every
+        return self.step_count == self.cfg.steps or (every > 0 and self.step_count % every == 0)
+
+    def _write_metrics(self, m: dict) -> None:
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / METRICS, "a") as f:
+            f.write(json.dumps(m) + "\n")
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state(self) -> dict:
+        return {
+            "format": 1,
+            "config": self.cfg.to_dict(),
+            "step": self.step_count,
+            "policy": self.policy.state_dict(),
+            "reference": self.reference.state_dict() if self.reference is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "accepted_grad_norms": list(self.accepted_grad_norms),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "python_rng": random.getstate(),
+            "stream_rng": self.stream.state(),
+        }
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Write the checkpoint atomically: a temporary file, fsync, then rename over the
+        old one, so a crash mid-write leaves the previous checkpoint intact."""
+        if self.last_nonfinite_params if hasattr(self, "last_nonfinite_params") else 0:
+            raise RuntimeError(
+                f"refusing to checkpoint step {self.step_count}: "
+                f"{self.last_nonfinite_params} non-finite parameters"
+            )
+        path = Path(path) if path is not None else self.out_dir / CHECKPOINT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(self.state(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    def load_checkpoint(self, path: str | Path | None = None) -> None:
+        path = Path(path) if path is not None else self.out_dir / CHECKPOINT
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.policy.load_state_dict(state["policy"])
+        if self.reference is not None and state["reference"] is not None:
+            self.reference.load_state_dict(state["reference"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.step_count = state["step"]
+        self.accepted_grad_norms = deque(state["accepted_grad_norms"], maxlen=SPIKE_WINDOW)
+        torch.set_rng_state(state["torch_rng"].cpu())
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        random.setstate(state["python_rng"])
+        self.stream.set_state(state["stream_rng"])
+        self.last_nonfinite_params = 0
+        if self.cfg.health_check:
+            self.snapshot = Snapshot(self.policy, self.optimizer, self.step_count)
+        self.history = [m for m in read_metrics(self.out_dir) if m["step"] <= self.step_count] \
+            if self.out_dir is not None and (self.out_dir / METRICS).exists() else []
+        if self.out_dir is not None:  # drop metrics of steps after the checkpoint: they rerun
+            with open(self.out_dir / METRICS, "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in self.history)
+
+    # ---- diagnosis -----------------------------------------------------------------------
+    def diagnosis(self) -> str:
+        """What a person needs after a crash: where health was last fine, what broke first,
+        and the grad-norm history leading up to it."""
+        steps = [m for m in self.history if "grad_norm" in m]
+        healthy = [m["step"] for m in self.history if m.get("nonfinite_params", 0) == 0]
+        last_healthy = max(healthy) if healthy else None
+        bad_param = first_nonfinite_param(self.policy)
+        bad_grad = first_nonfinite_grad(self.policy)
+        norms = ", ".join(f"{m['step']}: {m['grad_norm']:.3g}" for m in steps[-8:])
+        median = statistics.median([m["grad_norm"] for m in steps]) if steps else float("nan")
+        lines = [
+            f"last healthy step: {last_healthy} (steps completed: {self.step_count})",
+            f"first non-finite parameter: {bad_param or 'none'}",
+            f"first non-finite gradient: {bad_grad or 'none'}",
+            f"grad norm (step: value), last {min(8, len(steps))}: {norms or 'none'}",
+            f"grad norm median over the run: {median:.3g}",
+        ]
+        return "\n".join(lines)
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    with open(Path(out_dir) / METRICS) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def count_nonfinite_grads(model: torch.nn.Module) -> int:
+    return nonfinite_count(p.grad for p in model.parameters())

@@ -1,0 +1,133 @@
+"""Warm start: a short supervised run on the task that stops while the model is only
+partly right (greedy accuracy in the target band), so GRPO's groups have reward variance
+from step 0 and RL has room to climb.
+
+`python -m grpo_lab build-model` regenerates the shipped tiny model deterministically
+(same torch version -> same weights): one CPU thread, fixed seeds, fixed data order.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2LMHeadModel
+
+from .models import (
+    CACHE_DIR,
+    TINY_MODEL_DIR,
+    build_char_tokenizer,
+    count_parameters,
+    gpt2_124m_config,
+    load_local,
+    load_pretrained_gpt2,
+    prepare_tokenizer,
+    tiny_gpt2_config,
+)
+from .objective import position_ids_from_mask, sequence_mean_nll
+from .sampling import greedy_accuracy
+from .tasks import ProblemStream
+
+TARGET_ACCURACY = 0.40  # stop once greedy accuracy on the dev set reaches this
+DEV_SIZE = 256
+
+
+def supervised_batch(tokenizer, problems, device):
+    """Left-padded "prompt answer<eos>" rows; the loss covers the answer and EOS only."""
+    rows, n_target = [], []
+    for p in problems:
+        prompt = tokenizer(p.prompt, add_special_tokens=False).input_ids
+        target = tokenizer(p.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append(prompt + target)
+        n_target.append(len(target))
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    loss_mask = torch.zeros_like(ids)
+    for i, (row, n) in enumerate(zip(rows, n_target, strict=True)):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+        loss_mask[i, width - n :] = 1
+    return ids.to(device), mask.to(device), loss_mask.to(device)
+
+
+def warm_start(
+    model: GPT2LMHeadModel,
+    tokenizer,
+    target_accuracy: float = TARGET_ACCURACY,
+    lr: float = 1e-3,
+    batch_size: int = 64,
+    max_steps: int = 20_000,
+    check_every: int = 100,
+    seed: int = 1234,
+    max_new_tokens: int = 5,
+    log=print,
+) -> dict:
+    """Train on the task until greedy dev accuracy >= target_accuracy. Returns a summary."""
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    stream = ProblemStream(seed)
+    dev = ProblemStream(seed + 1).sample(DEV_SIZE)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    t0 = time.time()
+    acc = greedy_accuracy(model, tokenizer, dev, max_new_tokens)
+    step = 0
+    while acc < target_accuracy and step < max_steps:
+        ids, mask, loss_mask = supervised_batch(tokenizer, stream.sample(batch_size), device)
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+        ).logits  # (B, T, V)
+        loss = sequence_mean_nll(logits[:, :-1], ids[:, 1:], loss_mask[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % check_every == 0:
+            acc = greedy_accuracy(model, tokenizer, dev, max_new_tokens)
+            log(f"[warm start] step {step}: loss {loss.item():.3f}, dev accuracy {acc:.3f}")
+    model.eval()
+    return {"steps": step, "dev_accuracy": acc, "seconds": round(time.time() - t0, 1)}
+
+
+def build_tiny_model(out_dir: Path = TINY_MODEL_DIR, log=print) -> dict:
+    """Regenerate the shipped tiny GPT-2 (deterministic on one CPU thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer = build_char_tokenizer()
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(tiny_gpt2_config(len(tokenizer)))
+        summary = warm_start(model, tokenizer, log=log)
+    finally:
+        torch.set_num_threads(threads)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    summary["parameters"] = count_parameters(model)
+    log(f"[warm start] saved {summary['parameters']:,} parameters to {out_dir}: {summary}")
+    return summary
+
+
+def gpu_policy(cache_dir: Path = CACHE_DIR / "gpt2-124m-warm", pretrained: str = "gpt2"):
+    """GPT-2 124M warm-started on the task, built once and cached in `cache_dir`."""
+    if (cache_dir / "config.json").is_file():
+        return load_local(cache_dir)
+    loaded = load_pretrained_gpt2(pretrained)
+    if loaded is None:
+        tokenizer = prepare_tokenizer(build_char_tokenizer())
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(
+            gpt2_124m_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+        )
+    else:
+        model, tokenizer = loaded
+    if torch.cuda.is_available():
+        model.cuda()
+    warm_start(model, tokenizer, lr=1e-4)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    model.cpu().save_pretrained(cache_dir)
+    tokenizer.save_pretrained(cache_dir)
+    return model, tokenizer
