@@ -125,10 +125,10 @@ def _config_from_args(args) -> GRPOConfig:
     return preset(args.preset, **overrides)
 
 
-def cmd_train(args) -> int:
-    from .plots import plot_run
-    from .trainer import CHECKPOINT, METRICS, Trainer
+CHECKPOINT, METRICS = "checkpoint.pt", "metrics.jsonl"  # trainer.py's names, without torch
 
+
+def cmd_train(args) -> int:
     out: Path = args.out
     has_run = (out / CHECKPOINT).exists() or (out / METRICS).exists()
     if args.resume:
@@ -144,6 +144,10 @@ def cmd_train(args) -> int:
             raise UsageError(
                 f"--out {out} already holds a run; add --resume to continue it or pick a new --out"
             )
+
+    # torch and transformers load only now, so a bad flag is answered at once
+    from .plots import plot_run
+    from .trainer import Trainer
 
     trainer = Trainer(cfg, out_dir=out)
     out.mkdir(parents=True, exist_ok=True)

@@ -233,7 +233,7 @@ NAIVE = dict(
 # Every fix on, with the learning rate the tiny model tolerates.
 STABLE = dict(
     learning_rate=1e-4,
-    beta=0.04,
+    beta=0.01,
     log_ratio_clamp=10.0,
     max_grad_norm=1.0,
     skip_nonfinite_grad=True,

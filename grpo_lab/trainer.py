@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ from .objective import (
     token_logprobs,
     token_weights,
 )
-from .sampling import greedy_accuracy, sample_group
+from .sampling import Rollout, greedy_accuracy, sample_group
 from .tasks import ProblemStream, addition_reward, checked_rewards, eval_problems
 
 CHECKPOINT = "checkpoint.pt"
@@ -63,6 +64,17 @@ def micro_batches(n: int, k: int) -> list[slice]:
     sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
     starts = [sum(sizes[:i]) for i in range(k)]
     return [slice(s, s + z) for s, z in zip(starts, sizes, strict=True)]
+
+
+@dataclass
+class StepBatch:
+    """What one step's loss needs. B = prompts x G rows, C completion columns."""
+
+    rollout: Rollout
+    rewards: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,)
+    ref_logp: torch.Tensor | None  # (B, C) frozen reference, None when beta = 0 (and not naive)
+    weights: torch.Tensor  # (B, C) token weights of the whole batch (see token_weights)
 
 
 class Trainer:
@@ -107,9 +119,10 @@ class Trainer:
         dtype = torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def step(self) -> dict:
+    def make_batch(self) -> StepBatch:
+        """Sample, score, and compute everything the loss needs that does not change
+        during the update: advantages, sampling-time and reference log-probs, weights."""
         cfg = self.cfg
-        t0 = time.perf_counter()
         problems = self.stream.sample(cfg.prompts_per_step)
         rollout = sample_group(
             self.policy, self.tokenizer, [p.prompt for p in problems], cfg.group_size,
@@ -125,74 +138,91 @@ class Trainer:
         )  # (B,)
         if cfg.advantage_clamp is not None:
             advantages = advantages.clamp(-cfg.advantage_clamp, cfg.advantage_clamp)
-
-        ids, attn, mask = rollout.input_ids, rollout.attention_mask, rollout.completion_mask
-        C = rollout.completion_length
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad(), self._autocast():
                 ref_logp = completion_logprobs(
-                    self.reference, ids, attn, C, cfg.temperature, cfg.logit_clamp
+                    self.reference, rollout.input_ids, rollout.attention_mask,
+                    rollout.completion_length, cfg.temperature, cfg.logit_clamp,
                 )  # (B, C)
-        old_logp = rollout.sampling_logprobs  # (B, C): pi_old is the policy that sampled
-        baseline = old_logp if cfg.ratio_against == "old" else ref_logp
+        return StepBatch(
+            rollout=rollout, rewards=rewards, advantages=advantages, ref_logp=ref_logp,
+            weights=token_weights(rollout.completion_mask, cfg.loss_type, cfg.max_new_tokens),
+        )
+
+    def backward(self, batch: StepBatch, grad_accum_steps: int | None = None) -> dict:
+        """Accumulate the gradient of the step's loss over micro-batches into .grad.
+
+        The token weights were computed on the whole batch, so the micro-batch losses sum
+        to the full-batch loss and the accumulated gradient equals the full-batch one, for
+        every loss type and any split. Returns detached sums for the metrics."""
+        cfg = self.cfg
+        r = batch.rollout
+        ids, attn, mask, C = r.input_ids, r.attention_mask, r.completion_mask, r.completion_length
+        # pi_old is the policy that sampled; the naive preset compares with the reference
+        baseline = r.sampling_logprobs if cfg.ratio_against == "old" else batch.ref_logp
         surrogate = (
             clipped_surrogate if cfg.clip_term == "clipped_ratio" else bugs.constant_clip_surrogate
         )
-        weights = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C), whole batch
-        n_tokens = mask.sum().clamp(min=1)
-        slices = micro_batches(ids.shape[0], cfg.grad_accum_steps)
+        zero = torch.zeros((), device=self.device)
+        stats = {"loss": zero, "kl": zero, "clipped": zero, "entropy": zero, "max_log_ratio": zero}
+        for sl in micro_batches(ids.shape[0], grad_accum_steps or cfg.grad_accum_steps):
+            with self._autocast():
+                logits = completion_logits(
+                    self.policy, ids[sl], attn[sl], C, cfg.temperature, cfg.logit_clamp
+                )  # (b, C, V)
+            logp = token_logprobs(logits, ids[sl, -C:])  # (b, C)
+            ratio_logp, ratio_baseline = logp, baseline[sl]
+            if cfg.ratio_level == "sequence":  # report 001: one summed log-ratio per row
+                ratio_logp, ratio_baseline = bugs.sequence_log_ratio_inputs(
+                    logp, baseline[sl], mask[sl]
+                )
+            per_token, region_clipped = surrogate(
+                ratio_logp, ratio_baseline, batch.advantages[sl], cfg.epsilon_low,
+                cfg.epsilon_high, cfg.log_ratio_clamp,
+            )  # (b, C)
+            m = mask[sl].bool()
+            if cfg.beta > 0:
+                kl = kl_k3(logp, batch.ref_logp[sl])  # (b, C)
+                per_token = per_token + cfg.beta * kl
+                stats["kl"] = stats["kl"] + (kl.detach() * m).sum()
+            loss = (per_token * batch.weights[sl]).sum()
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            log_ratio = (ratio_logp.detach() - ratio_baseline).abs().masked_fill(~m, 0)
+            stats["loss"] = stats["loss"] + loss.detach()
+            stats["clipped"] = stats["clipped"] + (region_clipped & m).sum()
+            stats["entropy"] = stats["entropy"] + (entropy_from_logits(logits.detach()) * m).sum()
+            stats["max_log_ratio"] = torch.maximum(stats["max_log_ratio"], log_ratio.max())
+        return stats
 
+    def step(self) -> dict:
+        """One GRPO step: sample and score, then mu optimizer updates on that batch."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batch = self.make_batch()
         skipped = 0
         for _ in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            loss_sum = kl_sum = clip_sum = ent_sum = 0.0
-            max_abs_log_ratio = torch.zeros((), device=self.device)
-            for sl in slices:
-                with self._autocast():
-                    logits = completion_logits(
-                        self.policy, ids[sl], attn[sl], C, cfg.temperature, cfg.logit_clamp
-                    )  # (b, C, V)
-                logp = token_logprobs(logits, ids[sl, -C:])  # (b, C)
-                ratio_logp, ratio_baseline = logp, baseline[sl]
-                if cfg.ratio_level == "sequence":  # report 001: one summed log-ratio per row
-                    ratio_logp, ratio_baseline = bugs.sequence_log_ratio_inputs(
-                        logp, baseline[sl], mask[sl]
-                    )
-                per_token, region_clipped = surrogate(
-                    ratio_logp, ratio_baseline, advantages[sl], cfg.epsilon_low, cfg.epsilon_high,
-                    cfg.log_ratio_clamp,
-                )
-                if cfg.beta > 0:
-                    kl = kl_k3(logp, ref_logp[sl])
-                    per_token = per_token + cfg.beta * kl
-                    kl_sum = kl_sum + (kl.detach() * mask[sl]).sum()
-                loss = (per_token * weights[sl]).sum()  # sums to the full-batch loss
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-                loss_sum = loss_sum + loss.detach()
-                m = mask[sl].bool()
-                clip_sum = clip_sum + (region_clipped & m).sum()
-                ent_sum = ent_sum + (entropy_from_logits(logits.detach()) * m).sum()
-                log_ratio = (ratio_logp.detach() - ratio_baseline).abs().masked_fill(~m, 0)
-                max_abs_log_ratio = torch.maximum(max_abs_log_ratio, log_ratio.max())
+            stats = self.backward(batch)
             skipped += self._update()
-
         self.step_count += 1
         rolled_back = self._check_health()
-        grouped = rewards.view(-1, cfg.group_size)
-        group_std = grouped.std(dim=1)
+
+        mask = batch.rollout.completion_mask
+        n_tokens = mask.sum().clamp(min=1)
+        group_std = batch.rewards.view(-1, cfg.group_size).std(dim=1)
         metrics = {
             "step": self.step_count,
-            "reward": rewards.mean().item(),
+            "reward": batch.rewards.mean().item(),
             "reward_std": group_std.mean().item(),
             "frac_reward_zero_std": (group_std == 0).float().mean().item(),
-            "loss": float(loss_sum),
-            "kl": float(kl_sum / n_tokens) if cfg.beta > 0 else 0.0,
-            "clip_ratio/region_mean": float(clip_sum / n_tokens),
+            "loss": stats["loss"].item(),
+            "kl": (stats["kl"] / n_tokens).item(),
+            "clip_ratio/region_mean": (stats["clipped"] / n_tokens).item(),
             "grad_norm": self.last_grad_norm,
-            "entropy": float(ent_sum / n_tokens),
+            "entropy": (stats["entropy"] / n_tokens).item(),
             "completions/mean_length": mask.sum(-1).float().mean().item(),
-            "log_ratio/max_abs": float(max_abs_log_ratio),
+            "log_ratio/max_abs": stats["max_log_ratio"].item(),
             "skipped": skipped,
             "rolled_back": rolled_back,
             "nonfinite_params": self.last_nonfinite_params,

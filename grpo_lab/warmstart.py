@@ -59,7 +59,7 @@ def warm_start(
     lr: float = 1e-3,
     batch_size: int = 64,
     max_steps: int = 20_000,
-    check_every: int = 100,
+    check_every: int = 25,
     seed: int = 1234,
     max_new_tokens: int = 5,
     log=print,

@@ -1,0 +1,103 @@
+"""The command line, run as a learner or CI would: in a subprocess."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "GRPO_LAB_PROFILE": "cpu"}
+
+
+def run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_lab", *args], capture_output=True, text=True,
+        env=ENV, timeout=timeout,
+    )
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_stable_run_improves_eval_accuracy(tmp_path):
+    out = tmp_path / "stable"
+    p = run("train", "--preset", "stable", "--steps", "60", "--seed", "0", "--out", str(out),
+            "--eval-every", "30", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    ms = metrics(out)
+    acc = [m["eval/accuracy"] for m in ms if "eval/accuracy" in m]
+    assert [m["step"] for m in ms if "eval/accuracy" in m] == [0, 30, 60]
+    assert acc[-1] >= acc[0] + 0.1, acc
+    assert (out / "metrics.png").stat().st_size > 10_000
+    assert (out / "checkpoint.pt").exists() and not (out / "checkpoint.pt.tmp").exists()
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio/region_mean",
+                "grad_norm", "entropy", "completions/mean_length", "step_time", "loss",
+                "skipped", "nonfinite_params"):
+        assert key in ms[1], key
+
+    # --resume with more steps continues the same run
+    p = run("train", "--preset", "stable", "--steps", "62", "--out", str(out), "--resume",
+            "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert [m["step"] for m in metrics(out)] == list(range(63))
+
+
+def test_naive_run_crashes_with_the_real_error_and_a_diagnosis(tmp_path):
+    out = tmp_path / "naive"
+    p = run("train", "--preset", "naive", "--steps", "100", "--out", str(out), "--no-progress")
+    assert p.returncode == 1
+    assert "RuntimeError: probability tensor contains either `inf`, `nan` or element < 0" \
+        in p.stderr
+    assert "last healthy step:" in p.stderr and "first non-finite parameter: " in p.stderr
+    assert "Traceback" not in p.stderr
+    ms = metrics(out)
+    finite = [m["grad_norm"] for m in ms if "grad_norm" in m and math.isfinite(m["grad_norm"])]
+    assert max(finite) > 1000 * 5.0
+    assert ms[-1]["nonfinite_params"] > 0
+    assert (out / "metrics.png").exists()
+    assert not (out / "checkpoint.pt").exists() or ms[-1]["step"] >= 50
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--preset", "stable", "--out", "X", "--learning-rate", "-1"], "learning_rate"),
+    (["train", "--preset", "stable", "--out", "X", "--group-size", "1"], "group_size"),
+    (["train", "--preset", "stable", "--out", "X", "--loss-type", "ppo"], "loss_type"),
+    (["train", "--preset", "stable", "--out", "X", "--max-grad-norm", "abc"], "--max-grad-norm"),
+    (["train", "--preset", "stable", "--out", "X", "--steps", "ten"], "--steps"),
+    (["train", "--preset", "risky", "--out", "X"], "--preset"),
+    (["train", "--preset", "stable"], "--out"),
+    (["train", "--preset", "stable", "--out", "X", "--resume"], "--resume"),
+    (["train", "--preset", "stable", "--out", "X", "--epsilon-low", "nan"], "epsilon_low"),
+    (["fly"], "fly"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
+    args = [str(tmp_path / "run") if a == "X" else a for a in args]
+    p = run(*args, timeout=60)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_config_file_unknown_key_is_rejected(tmp_path):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"learning_rat": 1e-4}))
+    p = run("train", "--preset", "stable", "--out", str(tmp_path / "r"), "--config", str(cfg))
+    assert p.returncode == 2 and "learning_rat" in p.stderr
+
+
+def test_refuses_to_mix_runs_in_one_directory(tmp_path):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    p = run("train", "--preset", "stable", "--out", str(out), "--steps", "1")
+    assert p.returncode == 2 and "--resume" in p.stderr
+
+
+def test_cli_file_names_match_the_trainer():
+    from grpo_lab import cli, trainer
+
+    assert (cli.CHECKPOINT, cli.METRICS) == (trainer.CHECKPOINT, trainer.METRICS)

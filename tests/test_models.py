@@ -1,0 +1,85 @@
+"""Profiles, the shipped tiny model, pretrained loading from a local save_pretrained dir."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from grpo_lab.config import ConfigError
+from grpo_lab.models import (
+    TINY_MODEL_DIR,
+    build_char_tokenizer,
+    count_parameters,
+    load_policy,
+    load_pretrained_gpt2,
+    resolve_profile,
+)
+from grpo_lab.objective import completion_logprobs
+from grpo_lab.sampling import greedy_accuracy, sample_group
+from grpo_lab.tasks import eval_problems
+
+
+def test_profile_selection(monkeypatch):
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")
+    assert resolve_profile() == "gpu"
+    assert resolve_profile("cpu") == "cpu"
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "tpu")
+    with pytest.raises(ConfigError, match="GRPO_LAB_PROFILE"):
+        resolve_profile()
+    monkeypatch.delenv("GRPO_LAB_PROFILE")
+    assert resolve_profile() == ("gpu" if torch.cuda.is_available() else "cpu")
+
+
+def test_shipped_tiny_model_is_small_and_partly_right(tiny):
+    model, tok = tiny
+    assert 0.5e6 < count_parameters(model) < 1.5e6
+    assert (TINY_MODEL_DIR / "model.safetensors").stat().st_size < 5e6
+    acc = greedy_accuracy(model, tok, eval_problems(256), 5)
+    assert 0.30 <= acc <= 0.60, acc  # room for RL, and reward variance from step 0
+
+
+def test_char_tokenizer_round_trip_and_specials():
+    tok = build_char_tokenizer()
+    ids = tok("12+34=", add_special_tokens=False).input_ids
+    assert len(ids) == 6 and tok.decode(ids) == "12+34="
+    assert tok.eos_token_id == 0 and tok.pad_token_id == 1 and tok.padding_side == "left"
+
+
+def _gpt2_like_dir(tmp_path):
+    """A tiny GPT-2 saved like the hub's `gpt2`: a tokenizer with no pad token."""
+    char = build_char_tokenizer()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=char.backend_tokenizer, eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>", unk_token="<|endoftext|>",
+    )
+    assert tok.pad_token is None
+    cfg = GPT2Config(vocab_size=len(char), n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                     bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_pretrained_loader_reads_a_local_save_pretrained_dir(tmp_path):
+    model, tok = load_pretrained_gpt2(str(_gpt2_like_dir(tmp_path)))
+    assert isinstance(model, GPT2LMHeadModel)
+    assert tok.pad_token_id == tok.eos_token_id  # GPT-2 has no pad token: reuse EOS
+    assert tok.padding_side == "left"
+    # pad == eos: completion masks still end at the first EOS and log-probs still agree
+    rollout = sample_group(model.eval(), tok, ["1+2=", "12+34="], 2, 6)
+    again = completion_logprobs(
+        model, rollout.input_ids, rollout.attention_mask, rollout.completion_length
+    ) * rollout.completion_mask
+    assert (again - rollout.sampling_logprobs).abs().max() < 1e-5
+    model2, _ = load_policy(model_path=tmp_path)
+    assert count_parameters(model2) == count_parameters(model)
+
+
+def test_pretrained_loader_offline_names_the_fallback(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert load_pretrained_gpt2(str(tmp_path / "not-a-model")) is None
+    assert "falling back to the GPT-2 124M architecture" in capsys.readouterr().out
+
+
+def test_model_path_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        load_policy(model_path=tmp_path)
