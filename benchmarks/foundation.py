@@ -7,7 +7,6 @@ same CLI a learner uses, then prints the figures. A script that prints, not a ti
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -29,7 +28,9 @@ def train(preset: str, steps: int, seed: int, out: Path, *extra: str) -> tuple[i
 
 
 def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    from grpo_lab.trainer import read_metrics
+
+    return read_metrics(out)
 
 
 def main() -> None:

@@ -85,9 +85,10 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     train = sub.add_parser("train", help="train with a preset; writes metrics, plot, checkpoints")
-    train.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    train.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="naive (the field reports' setup) or stable (every fix on)")
     train.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=None, help="run seed (default 0)")
     train.add_argument("--out", type=Path, required=True, help="output directory")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --out from its checkpoint")
@@ -119,7 +120,8 @@ def _config_from_args(args) -> GRPOConfig:
     for f in dataclasses.fields(GRPOConfig):
         if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None:
             overrides[f.name] = getattr(args, f.name)
-    overrides["seed"] = args.seed
+    if args.seed is not None:
+        overrides["seed"] = args.seed
     if args.steps is not None:
         overrides["steps"] = args.steps
     return preset(args.preset, **overrides)
@@ -134,11 +136,26 @@ def cmd_train(args) -> int:
     if args.resume:
         if not (out / CHECKPOINT).exists():
             raise UsageError(f"--resume: no {CHECKPOINT} in {out} to continue from")
-        saved = json.loads((out / "config.json").read_text())
+        changed = [
+            "--" + f.name.replace("_", "-") for f in dataclasses.fields(GRPOConfig)
+            if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None
+        ] + [flag for flag, given in (("--seed", args.seed is not None), ("--config", args.config),
+                                      ("--preset", args.preset)) if given]
+        if changed:
+            raise UsageError(
+                f"--resume continues the run with its saved config; only --steps may change "
+                f"(got {', '.join(changed)})"
+            )
+        try:
+            saved = json.loads((out / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"--resume: cannot read {out / 'config.json'}: {e}") from None
         if args.steps is not None:
             saved["steps"] = args.steps
         cfg = GRPOConfig.from_dict(saved)
     else:
+        if args.preset is None:
+            raise UsageError("the following arguments are required: --preset")
         cfg = _config_from_args(args)
         if has_run:
             raise UsageError(
@@ -149,13 +166,19 @@ def cmd_train(args) -> int:
     from .plots import plot_run
     from .trainer import Trainer
 
-    trainer = Trainer(cfg, out_dir=out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        trainer.load_checkpoint()
-        print(f"[grpo_lab] resuming {out} at step {trainer.step_count} of {cfg.steps}")
-    else:
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    try:
+        trainer = Trainer(cfg, out_dir=out)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.resume:
+            trainer.load_checkpoint()
+            print(f"[grpo_lab] resuming {out} at step {trainer.step_count} of {cfg.steps}")
+        else:
+            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    except (ConfigError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    except Exception as e:
+        print(f"error while setting up the run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     plot_path = out / "metrics.png"
     try:
         trainer.train(progress=not args.no_progress)

@@ -93,7 +93,7 @@ def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperatu
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **extra,
     )
     if do_sample:
-        kwargs.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
+        kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)  # top_k=0: off
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
     return GenerationConfig(**kwargs)
@@ -131,7 +131,8 @@ def sample_group(
     raw_logits = torch.stack(out.logits, dim=1)  # (B, C, V) before any processor
     sampling_logprobs = token_logprobs(raw_logits / temperature, completion_ids)
     completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
-    sampling_logprobs = sampling_logprobs * completion_mask  # padding carries no log-prob
+    # padding carries no log-prob (where(), not *, so a NaN there cannot leak through)
+    sampling_logprobs = torch.where(completion_mask.bool(), sampling_logprobs, 0.0)
     return Rollout(
         input_ids=out.sequences,
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),

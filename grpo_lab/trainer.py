@@ -51,7 +51,7 @@ from .tasks import ProblemStream, addition_reward, checked_rewards, eval_problem
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
-SPIKE_WINDOW = 20  # accepted grad norms the spike rule takes its median over
+SPIKE_WINDOW = 20  # recent finite grad norms the spike rule takes its median over
 
 
 def micro_batches(n: int, k: int) -> list[slice]:
@@ -74,6 +74,7 @@ class StepBatch:
     rewards: torch.Tensor  # (B,)
     advantages: torch.Tensor  # (B,)
     ref_logp: torch.Tensor | None  # (B, C) frozen reference, None when beta = 0 (and not naive)
+    old_logp: torch.Tensor  # (B, C) the sampling policy's log-probs (pi_old)
     weights: torch.Tensor  # (B, C) token weights of the whole batch (see token_weights)
 
 
@@ -107,7 +108,10 @@ class Trainer:
         self.stream = ProblemStream(cfg.seed)
         self.eval_set = eval_problems(cfg.eval_size)
         self.step_count = 0
-        self.accepted_grad_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.recent_grad_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.first_bad_grad: str | None = None  # recorded before a skip clears the grads
+        self.last_nonfinite_params = 0
+        self.end_step = cfg.steps
         self.history: list[dict] = []
         self.snapshot = Snapshot(self.policy, self.optimizer, 0) if cfg.health_check else None
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -145,8 +149,18 @@ class Trainer:
                     self.reference, rollout.input_ids, rollout.attention_mask,
                     rollout.completion_length, cfg.temperature, cfg.logit_clamp,
                 )  # (B, C)
+        old_logp = rollout.sampling_logprobs  # (B, C): pi_old is the policy that sampled
+        if cfg.amp != "none":
+            # generate() ran in float32; under autocast the training forward rounds
+            # differently, so pi_old must come from the same path or the ratio starts != 1
+            with torch.no_grad(), self._autocast():
+                old_logp = completion_logprobs(
+                    self.policy, rollout.input_ids, rollout.attention_mask,
+                    rollout.completion_length, cfg.temperature, cfg.logit_clamp,
+                )
         return StepBatch(
             rollout=rollout, rewards=rewards, advantages=advantages, ref_logp=ref_logp,
+            old_logp=old_logp,
             weights=token_weights(rollout.completion_mask, cfg.loss_type, cfg.max_new_tokens),
         )
 
@@ -160,7 +174,7 @@ class Trainer:
         r = batch.rollout
         ids, attn, mask, C = r.input_ids, r.attention_mask, r.completion_mask, r.completion_length
         # pi_old is the policy that sampled; the naive preset compares with the reference
-        baseline = r.sampling_logprobs if cfg.ratio_against == "old" else batch.ref_logp
+        baseline = batch.old_logp if cfg.ratio_against == "old" else batch.ref_logp
         surrogate = (
             clipped_surrogate if cfg.clip_term == "clipped_ratio" else bugs.constant_clip_surrogate
         )
@@ -183,7 +197,8 @@ class Trainer:
             )  # (b, C)
             m = mask[sl].bool()
             if cfg.beta > 0:
-                kl = kl_k3(logp, batch.ref_logp[sl])  # (b, C)
+                # padding positions: equal inputs, so exp() cannot overflow into 0 * inf
+                kl = kl_k3(logp.masked_fill(~m, 0.0), batch.ref_logp[sl].masked_fill(~m, 0.0))
                 per_token = per_token + cfg.beta * kl
                 stats["kl"] = stats["kl"] + (kl.detach() * m).sum()
             loss = (per_token * batch.weights[sl]).sum()
@@ -245,12 +260,18 @@ class Trainer:
         ).item()
         self.last_grad_norm = grad_norm
         finite = math.isfinite(grad_norm)
+        if not finite and self.first_bad_grad is None:
+            self.first_bad_grad = f"step {self.step_count + 1}: {first_nonfinite_grad(self.policy)}"
         skip = False
         if cfg.skip_nonfinite_grad and not finite:
             skip = True
-        if cfg.spike_skip_factor is not None and finite and len(self.accepted_grad_norms) >= 5:
-            if grad_norm > cfg.spike_skip_factor * statistics.median(self.accepted_grad_norms):
+        if cfg.spike_skip_factor is not None and finite and len(self.recent_grad_norms) >= 5:
+            if grad_norm > cfg.spike_skip_factor * statistics.median(self.recent_grad_norms):
                 skip = True
+        if finite:
+            # skipped norms count too, so a lasting shift in scale is absorbed within a
+            # window instead of freezing training behind a stale median
+            self.recent_grad_norms.append(grad_norm)
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
@@ -261,12 +282,13 @@ class Trainer:
         if cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         if self.scaler:
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if self.scaler.get_scale() < scale:  # the scaler found inf and skipped the step
+                return 1
         else:
             self.optimizer.step()
-        if finite:
-            self.accepted_grad_norms.append(grad_norm)
         return 0
 
     def _check_health(self) -> int:
@@ -284,7 +306,7 @@ class Trainer:
 
     def _eval_due(self) -> bool:
         every = self.cfg.eval_every
-        return self.step_count == self.cfg.steps or (every > 0 and self.step_count % every == 0)
+        return self.step_count == self.end_step or (every > 0 and self.step_count % every == 0)
 
     def evaluate(self) -> float:
         """Greedy accuracy on the fixed held-out set."""
@@ -297,6 +319,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         total = self.cfg.steps if steps is None else steps
+        self.end_step = total
         if self.step_count == 0 and not self.history:
             start = {"step": 0, "eval/accuracy": self.evaluate(), "nonfinite_params": 0}
             self.history.append(start)
@@ -324,14 +347,14 @@ class Trainer:
         if self.out_dir is None:
             return False
         every = self.cfg.checkpoint_every
-        return self.step_count == self.cfg.steps or (every > 0 and self.step_count % every == 0)
+        return self.step_count == self.end_step or (every > 0 and self.step_count % every == 0)
 
     def _write_metrics(self, m: dict) -> None:
         if self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / METRICS, "a") as f:
-            f.write(json.dumps(m) + "\n")
+            f.write(to_json_line(m))
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state(self) -> dict:
@@ -343,7 +366,7 @@ class Trainer:
             "reference": self.reference.state_dict() if self.reference is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
-            "accepted_grad_norms": list(self.accepted_grad_norms),
+            "recent_grad_norms": list(self.recent_grad_norms),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "python_rng": random.getstate(),
@@ -353,10 +376,10 @@ class Trainer:
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Write the checkpoint atomically: a temporary file, fsync, then rename over the
         old one, so a crash mid-write leaves the previous checkpoint intact."""
-        if self.last_nonfinite_params if hasattr(self, "last_nonfinite_params") else 0:
+        bad = nonfinite_params(self.policy)  # now, after any rollback
+        if bad:
             raise RuntimeError(
-                f"refusing to checkpoint step {self.step_count}: "
-                f"{self.last_nonfinite_params} non-finite parameters"
+                f"refusing to checkpoint step {self.step_count}: {bad} non-finite parameters"
             )
         path = Path(path) if path is not None else self.out_dir / CHECKPOINT
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -378,10 +401,10 @@ class Trainer:
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.step_count = state["step"]
-        self.accepted_grad_norms = deque(state["accepted_grad_norms"], maxlen=SPIKE_WINDOW)
+        self.recent_grad_norms = deque(state["recent_grad_norms"], maxlen=SPIKE_WINDOW)
         torch.set_rng_state(state["torch_rng"].cpu())
         if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
         random.setstate(state["python_rng"])
         self.stream.set_state(state["stream_rng"])
         self.last_nonfinite_params = 0
@@ -390,8 +413,10 @@ class Trainer:
         self.history = [m for m in read_metrics(self.out_dir) if m["step"] <= self.step_count] \
             if self.out_dir is not None and (self.out_dir / METRICS).exists() else []
         if self.out_dir is not None:  # drop metrics of steps after the checkpoint: they rerun
-            with open(self.out_dir / METRICS, "w") as f:
-                f.writelines(json.dumps(m) + "\n" for m in self.history)
+            tmp = self.out_dir / (METRICS + ".tmp")
+            with open(tmp, "w") as f:
+                f.writelines(to_json_line(m) for m in self.history)
+            os.replace(tmp, self.out_dir / METRICS)
 
     # ---- diagnosis -----------------------------------------------------------------------
     def diagnosis(self) -> str:
@@ -401,7 +426,7 @@ class Trainer:
         healthy = [m["step"] for m in self.history if m.get("nonfinite_params", 0) == 0]
         last_healthy = max(healthy) if healthy else None
         bad_param = first_nonfinite_param(self.policy)
-        bad_grad = first_nonfinite_grad(self.policy)
+        bad_grad = self.first_bad_grad or first_nonfinite_grad(self.policy)
         norms = ", ".join(f"{m['step']}: {m['grad_norm']:.3g}" for m in steps[-8:])
         median = statistics.median([m["grad_norm"] for m in steps]) if steps else float("nan")
         lines = [
@@ -414,9 +439,28 @@ class Trainer:
         return "\n".join(lines)
 
 
+def to_json_line(m: dict) -> str:
+    """Strict JSON: a non-finite number (a NaN grad norm) is written as null."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in m.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
 def read_metrics(out_dir: str | Path) -> list[dict]:
+    """The metrics of a run; null (a non-finite value) reads back as NaN. A last line cut
+    short by a kill mid-write is dropped: that step is redone on resume."""
     with open(Path(out_dir) / METRICS) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise
+        out.append({k: (math.nan if v is None else v) for k, v in m.items()})
+    return out
 
 
 def count_nonfinite_grads(model: torch.nn.Module) -> int:

@@ -19,7 +19,9 @@ def run(*args, timeout=300):
 
 
 def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    from grpo_lab.trainer import read_metrics
+
+    return read_metrics(out)
 
 
 def test_short_stable_run_improves_eval_accuracy(tmp_path):
@@ -39,8 +41,7 @@ def test_short_stable_run_improves_eval_accuracy(tmp_path):
         assert key in ms[1], key
 
     # --resume with more steps continues the same run
-    p = run("train", "--preset", "stable", "--steps", "62", "--out", str(out), "--resume",
-            "--no-progress")
+    p = run("train", "--steps", "62", "--out", str(out), "--resume", "--no-progress")
     assert p.returncode == 0, p.stderr
     assert [m["step"] for m in metrics(out)] == list(range(63))
 
@@ -70,6 +71,7 @@ def test_naive_run_crashes_with_the_real_error_and_a_diagnosis(tmp_path):
     (["train", "--preset", "risky", "--out", "X"], "--preset"),
     (["train", "--preset", "stable"], "--out"),
     (["train", "--preset", "stable", "--out", "X", "--resume"], "--resume"),
+    (["train", "--out", "X"], "--preset"),
     (["train", "--preset", "stable", "--out", "X", "--epsilon-low", "nan"], "epsilon_low"),
     (["fly"], "fly"),
 ])

@@ -104,8 +104,14 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     full = Trainer(cfg, out_dir=tmp_path / "full")
     full.train(progress=False)
 
+    def kill_after_step_4(m):
+        if m["step"] == 4:
+            raise KeyboardInterrupt  # checkpoint at 3; step 4's metrics are already written
+
     part = Trainer(cfg, out_dir=tmp_path / "part")
-    part.train(steps=4, progress=False)  # checkpoint at 3; step 4 is lost with the "crash"
+    with pytest.raises(KeyboardInterrupt):
+        part.train(progress=False, callback=kill_after_step_4)
+    assert [m["step"] for m in read_metrics(tmp_path / "part")] == [0, 1, 2, 3, 4]
     resumed = Trainer(cfg, out_dir=tmp_path / "part")
     resumed.load_checkpoint()
     assert resumed.step_count == 3
@@ -209,3 +215,68 @@ def test_naive_crash_is_deterministic():
     first, second = crash_step(), crash_step()
     assert first[0] == second[0]
     assert str(first[1]) == str(second[1])  # str: NaN == NaN
+
+
+def test_rollback_on_a_checkpoint_step_still_checkpoints(tmp_path, monkeypatch):
+    cfg = preset("stable", steps=2, checkpoint_every=2, eval_size=8)
+    trainer = Trainer(cfg, out_dir=tmp_path)
+    real_update = trainer._update
+
+    def poisoned_update():
+        skipped = real_update()
+        if trainer.step_count == 1:  # the update of step 2 corrupts a weight
+            with torch.no_grad():
+                next(trainer.policy.parameters())[0, 0] = float("nan")
+        return skipped
+
+    monkeypatch.setattr(trainer, "_update", poisoned_update)
+    trainer.train(progress=False)
+    ms = read_metrics(tmp_path)
+    assert ms[-1]["rolled_back"] == 1 and ms[-1]["nonfinite_params"] == 1
+    assert (tmp_path / "checkpoint.pt").exists()
+
+
+def test_train_with_fewer_steps_ends_with_eval(tiny):
+    model, tok = tiny
+    trainer = Trainer(preset("stable", steps=200, eval_every=0, eval_size=8), model, tok)
+    trainer.train(steps=2, progress=False)
+    assert "eval/accuracy" in trainer.history[-1]
+
+
+def test_bf16_old_logprobs_come_from_the_training_path(tiny):
+    model, tok = tiny
+    trainer = Trainer(preset("stable", amp="bf16", steps=1), model, tok)
+    m = trainer.step()
+    assert m["log_ratio/max_abs"] < 1e-6  # pi_theta == pi_old at the first update
+
+
+def test_metrics_file_is_strict_json_and_survives_a_torn_last_line(tmp_path):
+    import json
+
+    out = tmp_path / "naive"
+    trainer = Trainer(preset("naive", steps=60, eval_every=0, eval_size=8), out_dir=out)
+    with pytest.raises(RuntimeError):
+        trainer.train(progress=False)
+    text = (out / "metrics.jsonl").read_text()
+    for line in text.splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert math.isnan(read_metrics(out)[-1]["grad_norm"])
+    (out / "metrics.jsonl").write_text(text + '{"step": 99, "rew')
+    assert len(read_metrics(out)) == len(text.splitlines())
+    assert "first non-finite gradient: step" in trainer.diagnosis()
+
+
+def test_spike_rule_skips_a_spike_but_absorbs_a_lasting_shift(tiny):
+    model, tok = tiny
+    trainer = Trainer(preset("stable", spike_skip_factor=10.0), model, tok)
+
+    def update_with_norm(value):
+        for p in trainer.policy.parameters():
+            p.grad = torch.zeros_like(p)
+        next(trainer.policy.parameters()).grad[0, 0] = value
+        return trainer._update()
+
+    assert [update_with_norm(1.0) for _ in range(5)] == [0] * 5
+    assert update_with_norm(1000.0) == 1  # a spike is skipped
+    skips = [update_with_norm(100.0) for _ in range(20)]  # the scale really changed
+    assert skips[-1] == 0 and sum(skips) < 10

@@ -1,0 +1,130 @@
+"""The task, reward checking, and sampling edge cases."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from grpo_lab.sampling import (
+    SamplingError,
+    completion_mask_from_ids,
+    encode_prompts,
+    greedy_completions,
+    sample_group,
+)
+from grpo_lab.tasks import (
+    ProblemStream,
+    RewardError,
+    addition_reward,
+    checked_rewards,
+    eval_problems,
+)
+
+
+def test_eval_set_is_fixed_and_held_out():
+    a, b = eval_problems(256), eval_problems(256)
+    assert a == b and len({p.prompt for p in a}) == 256
+    held_out = {p.prompt for p in a}
+    train = ProblemStream(seed=0).sample(5000)
+    assert not held_out & {p.prompt for p in train}
+    assert {len(p.prompt) for p in a} == {4, 5, 6}  # prompts of different token lengths
+
+
+def test_stream_is_seeded_and_resumable():
+    s = ProblemStream(seed=3)
+    s.sample(10)
+    state = s.state()
+    nxt = s.sample(5)
+    s2 = ProblemStream(seed=3)
+    s2.set_state(state)
+    assert s2.sample(5) == nxt
+
+
+def test_addition_reward_takes_trl_signature():
+    assert addition_reward(["46", " 7", "45", ""], answer=["46", "7", "46", "0"]) == [
+        1.0, 1.0, 0.0, 0.0
+    ]
+
+
+@pytest.mark.parametrize("fn,needle", [
+    (lambda completions, **kw: [1.0], "returned 1 rewards for 2 completions"),
+    (lambda completions, **kw: [1.0, math.nan], "must be finite numbers"),
+    (lambda completions, **kw: [1.0, "high"], "must be finite numbers"),
+    (lambda completions, **kw: 1 / 0, "raised ZeroDivisionError"),
+])
+def test_reward_contract_violations_are_named(fn, needle):
+    with pytest.raises(RewardError, match=needle):
+        checked_rewards(fn, ["1", "2"], answer=["1", "2"])
+
+
+def test_completion_mask_keeps_the_first_eos_only():
+    ids = torch.tensor([[5, 6, 0, 1, 1], [0, 1, 1, 1, 1], [5, 6, 7, 8, 9]])
+    assert completion_mask_from_ids(ids, 0).tolist() == [
+        [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]
+    ]
+
+
+def _poison(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+
+
+def test_nan_policy_crashes_plain_sampling_like_report_000(tiny):
+    model, tok = tiny
+    _poison(model)
+    with pytest.raises(RuntimeError, match=r"probability tensor contains either `inf`, `nan`"):
+        sample_group(model, tok, ["1+2="], 2, 5)
+
+
+def test_safe_sampling_names_the_cause_instead(tiny):
+    model, tok = tiny
+    _poison(model)
+    with pytest.raises(SamplingError, match="no finite logit.*nonfinite_params"):
+        sample_group(model, tok, ["1+2="], 2, 5, safe=True)
+
+
+def test_safe_sampling_is_a_no_op_on_healthy_logits(tiny):
+    model, tok = tiny
+    torch.manual_seed(1)
+    plain = sample_group(model, tok, ["1+2=", "33+44="], 4, 5)
+    torch.manual_seed(1)
+    safe = sample_group(model, tok, ["1+2=", "33+44="], 4, 5, safe=True)
+    assert torch.equal(plain.input_ids, safe.input_ids)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _transformers_messages(fn):
+    handler, logger = _Capture(), logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        fn()
+    finally:
+        logger.removeHandler(handler)
+    return " ".join(handler.messages)
+
+
+def test_generation_flags_go_to_generate_not_around_it(tiny):
+    """Report 003: sampling flags passed where generate() ignores them draw
+    'The following generation flags are not valid and may be ignored'."""
+    model, tok = tiny
+    ids, mask = encode_prompts(tok, ["1+2="], "cpu")
+    wrong = _transformers_messages(lambda: model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, temperature=0.7,
+        max_new_tokens=3, pad_token_id=tok.pad_token_id,
+    ))
+    assert "generation flags are not valid" in wrong  # the capture sees the warning
+    ours = _transformers_messages(lambda: (
+        greedy_completions(model, tok, ["1+2="], 5),
+        sample_group(model, tok, ["1+2="], 2, 5, temperature=0.7, top_k=5, top_p=0.9),
+    ))
+    assert "generation flags" not in ours
