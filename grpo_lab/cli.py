@@ -99,6 +99,11 @@ def build_parser() -> Parser:
         if f.name not in NOT_FLAGS:
             _field_flag(train, f)
 
+    scen = sub.add_parser("scenario", help="reproduce a field failure (or show its fix)")
+    scen.add_argument("name", nargs="?", help="scenario name (see --list)")
+    scen.add_argument("--list", action="store_true", help="list the scenarios")
+    scen.add_argument("--fixed", action="store_true", help="run the fix instead of the bug")
+
     build = sub.add_parser("build-model", help="regenerate the shipped tiny GPT-2")
     build.add_argument("--out", type=Path, default=None)
     return parser
@@ -199,6 +204,32 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_scenario(args) -> int:
+    """Exit 0 when the scenario did what it promises: the symptom without --fixed, no
+    symptom with it; 1 otherwise."""
+    if args.list or not args.name:
+        if not args.list:
+            raise UsageError("give a scenario name, or --list")
+        from .scenarios import CATALOG, describe
+
+        print("\n\n".join(describe(s) for s in CATALOG.values()))
+        return 0
+    from .scenarios import CATALOG, describe, run_scenario
+
+    if args.name not in CATALOG:
+        raise UsageError(f"unknown scenario {args.name!r}; allowed: {', '.join(CATALOG)}")
+    print(describe(CATALOG[args.name]))
+    outcome = run_scenario(args.name, fixed=args.fixed)
+    side = "fixed" if args.fixed else "broken"
+    expected = outcome.symptom != args.fixed
+    verdict = ("symptom reproduced" if outcome.symptom else "symptom gone")
+    print(f"\n[{side}] {verdict}: {outcome.evidence}")
+    if not expected:
+        print(f"unexpected: the {side} variant should "
+              f"{'not ' if args.fixed else ''}show the symptom", file=sys.stderr)
+    return 0 if expected else 1
+
+
 def cmd_build_model(args) -> int:
     from .models import TINY_MODEL_DIR
     from .warmstart import build_tiny_model
@@ -213,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "scenario":
+            return cmd_scenario(args)
         return cmd_build_model(args)
     except (UsageError, ConfigError) as e:
         print(f"grpo_lab: error: {e}", file=sys.stderr)

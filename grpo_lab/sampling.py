@@ -172,3 +172,20 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int) -> float:
     texts = greedy_completions(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
     rewards = addition_reward(texts, [p.answer for p in problems])
     return sum(rewards) / len(rewards)
+
+
+def transformers_messages(fn) -> list[str]:
+    """Run fn() and return what transformers logged meanwhile (its warnings go to its own
+    logger, not to Python's warnings, so pytest's recwarn does not see them)."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        fn()
+    finally:
+        logger.removeHandler(handler)
+    return messages

@@ -77,6 +77,17 @@ class StepBatch:
     old_logp: torch.Tensor  # (B, C) the sampling policy's log-probs (pi_old)
     weights: torch.Tensor  # (B, C) token weights of the whole batch (see token_weights)
 
+    def rows(self, sl: slice) -> StepBatch:
+        """The rows `sl` of this batch, keeping the whole batch's token weights."""
+        r = self.rollout
+        return StepBatch(
+            rollout=Rollout(r.input_ids[sl], r.attention_mask[sl], r.completion_mask[sl],
+                            r.sampling_logprobs[sl], r.completions[sl], r.prompt_index[sl]),
+            rewards=self.rewards[sl], advantages=self.advantages[sl],
+            ref_logp=None if self.ref_logp is None else self.ref_logp[sl],
+            old_logp=self.old_logp[sl], weights=self.weights[sl],
+        )
+
 
 class Trainer:
     def __init__(

@@ -1,6 +1,5 @@
 """The task, reward checking, and sampling edge cases."""
 
-import logging
 import math
 
 import pytest
@@ -12,6 +11,7 @@ from grpo_lab.sampling import (
     encode_prompts,
     greedy_completions,
     sample_group,
+    transformers_messages,
 )
 from grpo_lab.tasks import (
     ProblemStream,
@@ -94,23 +94,8 @@ def test_safe_sampling_is_a_no_op_on_healthy_logits(tiny):
     assert torch.equal(plain.input_ids, safe.input_ids)
 
 
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def _transformers_messages(fn):
-    handler, logger = _Capture(), logging.getLogger("transformers")
-    logger.addHandler(handler)
-    try:
-        fn()
-    finally:
-        logger.removeHandler(handler)
-    return " ".join(handler.messages)
+    return " ".join(transformers_messages(fn))
 
 
 def test_generation_flags_go_to_generate_not_around_it(tiny):

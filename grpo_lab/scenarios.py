@@ -1,0 +1,376 @@
+"""The field failures as reproducible scenarios: broken code in, real symptom out.
+
+Each scenario runs the broken variant (`fixed=False`) or its fix (`fixed=True`) on CPU,
+deterministically, and returns what it saw: the real error text or the metric that shows
+the symptom. `python -m grpo_lab scenario --list | NAME [--fixed]` runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Outcome:
+    symptom: bool  # the failure's symptom showed up
+    evidence: str  # the error text or the numbers that show it (or show it gone)
+
+
+@dataclass
+class Scenario:
+    name: str
+    report: str  # the field report it comes from (seed file prefix), or "-" for DESIGN.md
+    symptom: str
+    cause: str
+    fix: str
+    run: Callable[[bool], Outcome]
+
+
+def _error_text(fn: Callable[[], object]) -> str | None:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
+def _tiny():
+    from .models import load_policy
+
+    torch.manual_seed(0)
+    return load_policy("cpu")
+
+
+# --- 000: NaN parameters -> sampling crash in round 2 ------------------------------------
+def nan_params_sampling_crash(fixed: bool) -> Outcome:
+    from .health import Snapshot, nonfinite_params
+    from .sampling import sample_group
+
+    model, tok = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    snapshot = Snapshot(model, opt, step=0)
+    with torch.no_grad():  # what a 1e8 gradient through Adam leaves behind (see `naive`)
+        model.transformer.wte.weight.fill_(float("nan"))
+    bad = nonfinite_params(model)
+    if fixed:  # health check after the update: roll back before sampling again
+        snapshot.restore(model, opt)
+    err = _error_text(lambda: sample_group(model, tok, ["12+34="], 4, 5))
+    healthy = nonfinite_params(model)
+    if err:
+        return Outcome(True, f"{bad} non-finite parameters, then sampling: {err}")
+    return Outcome(False, f"{bad} non-finite parameters found, rolled back ({healthy} left); "
+                          "sampling works")
+
+
+# --- 002: a pad token the embedding does not have ---------------------------------------
+def pad_token_vocab_mismatch(fixed: bool) -> Outcome:
+    from .sampling import encode_prompts
+
+    model, tok = _tiny()
+    tok.add_special_tokens({"pad_token": "<new-pad>"})  # id == vocab size: no embedding row
+    if fixed:
+        model.resize_token_embeddings(len(tok), mean_resizing=False)
+    ids, mask = encode_prompts(tok, ["1+2=", "12+34="], torch.device("cpu"))
+    err = _error_text(lambda: model(input_ids=ids, attention_mask=mask))
+    if err:
+        return Outcome(True, f"pad id {tok.pad_token_id}, embedding rows "
+                             f"{model.get_input_embeddings().num_embeddings}: {err}")
+    return Outcome(False, f"embeddings resized to {len(tok)} rows; forward works")
+
+
+# --- 003 / DESIGN: gradient accumulation --------------------------------------------------
+def _accumulation_error(variant: str) -> float:
+    """Relative error of an accumulated gradient against the full-batch one."""
+    from . import bugs
+    from .config import preset
+    from .trainer import Trainer
+
+    model, tok = _tiny()
+    trainer = Trainer(preset("stable", prompts_per_step=4, group_size=4, temperature=1.3),
+                      model, tok)
+    batch = trainer.make_batch()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.backward(batch, grad_accum_steps=1)
+    full = [p.grad.clone() for p in trainer.policy.parameters()]
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if variant == "correct":
+        trainer.backward(batch, grad_accum_steps=3)
+    else:
+        bugs.broken_accumulation(trainer, batch, 3, variant)
+    acc = [p.grad if p.grad is not None else torch.zeros_like(p)
+           for p in trainer.policy.parameters()]
+    num = sum(((a - f) ** 2).sum() for a, f in zip(acc, full, strict=True)) ** 0.5
+    den = sum((f**2).sum() for f in full) ** 0.5
+    return float(num / den)
+
+
+def _accumulation_scenario(variant: str) -> Callable[[bool], Outcome]:
+    def run(fixed: bool) -> Outcome:
+        err = _accumulation_error("correct" if fixed else variant)
+        return Outcome(err > 1e-3, f"accumulated vs full-batch gradient: relative error "
+                                   f"{err:.2e} ({'fixed' if fixed else variant})")
+
+    return run
+
+
+# --- 004: report 004's chunking ----------------------------------------------------------
+def empty_micro_batch(fixed: bool) -> Outcome:
+    from .trainer import micro_batches
+
+    model, _ = _tiny()
+    ids = torch.full((1, 6), 3)  # batch_size=1 with accum_steps=4
+    if fixed:
+        err = _error_text(lambda: micro_batches(1, 4))
+        return Outcome(False, f"refused before any forward pass: {err}")
+    rows = ids.shape[0] // 4  # report 004: rows per chunk = batch // accum_steps = 0
+    chunk = ids[:rows]
+    err = _error_text(lambda: model(input_ids=chunk))
+    return Outcome(err is not None, f"micro-batch of {chunk.shape[0]} rows -> {err}")
+
+
+# --- DESIGN: all-equal rewards in a group ----------------------------------------------
+def zero_std_group(fixed: bool) -> Outcome:
+    from .objective import group_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # second group all right
+    adv = group_advantages(rewards, 4, advantage_eps=1e-4 if fixed else 0.0)
+    n_nan = int(torch.isnan(adv).sum())
+    return Outcome(n_nan > 0, f"advantages {[round(a, 3) for a in adv.tolist()]}: {n_nan} NaN")
+
+
+# --- 003: the KL "fix" --------------------------------------------------------------------
+def kl_wrong_fix(fixed: bool) -> Outcome:
+    from .objective import exact_kl, kl_k3
+
+    g = torch.Generator().manual_seed(0)
+    logits_p, logits_q = torch.randn(50, generator=g), torch.randn(50, generator=g)
+    x = torch.multinomial(logits_p.softmax(-1), 200_000, replacement=True, generator=g)
+    logp, ref_logp = logits_p.log_softmax(-1)[x], logits_q.log_softmax(-1)[x]
+    if fixed:
+        est = kl_k3(logp, ref_logp)
+    else:  # report 003: delta = (ref - cur).clamp(-10, 10); kl = delta.clamp(0, 10)
+        est = (ref_logp - logp).clamp(-10, 10).clamp(0, 10)
+    exact = float(exact_kl(logits_p, logits_q))
+    sem = float(est.std() / len(est) ** 0.5)
+    z = abs(float(est.mean()) - exact) / sem
+    return Outcome(z > 5, f"exact KL {exact:.4f}, estimate {float(est.mean()):.4f} "
+                          f"({z:.1f} standard errors away)")
+
+
+# --- 003: sampling flags that generate() ignores ------------------------------------------
+def temperature_ignored(fixed: bool) -> Outcome:
+    from .sampling import encode_prompts, generation_config, transformers_messages
+
+    model, tok = _tiny()
+    ids, mask = encode_prompts(tok, ["1+2="], torch.device("cpu"))
+    if fixed:
+        def call():
+            model.generate(input_ids=ids, attention_mask=mask,
+                           generation_config=generation_config(tok, 3, True, 0.9, 0, 1.0))
+    else:  # temperature set, but sampling not switched on: greedy, flags ignored
+        def call():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                           temperature=0.9, top_p=0.9, pad_token_id=tok.pad_token_id)
+    seen = [m for m in transformers_messages(call) if "generation flags are not valid" in m]
+    return Outcome(bool(seen), seen[0] if seen else "no warning: flags passed to generate()")
+
+
+# --- 000: temperature 0 / non-finite logits into the sampler -----------------------------
+def temperature_zero(fixed: bool) -> Outcome:
+    from .config import GRPOConfig
+
+    if fixed:
+        err = _error_text(lambda: GRPOConfig(temperature=0.0))
+        return Outcome(False, f"rejected up front: {err}" if err else "accepted")
+    logits = torch.tensor([[2.0, 1.0, 0.5]])
+    probs = torch.softmax(logits / 0.0, dim=-1)  # a hand-rolled sampler at T=0
+    err = _error_text(lambda: torch.multinomial(probs, 1))
+    return Outcome(err is not None, f"softmax(logits / 0) = {probs.tolist()} -> {err}")
+
+
+# --- 004: skipping a step under AMP -------------------------------------------------------
+def amp_skip_no_inf_checks(fixed: bool) -> Outcome:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(poison: bool):
+        loss = model(torch.ones(2, 4)).sum() * (float("nan") if poison else 1.0)
+        scaler.scale(loss).backward()
+        if not fixed and poison:  # report 004: on NaN, clear the grads and carry on
+            opt.zero_grad(set_to_none=True)
+        scaler.step(opt)  # fixed: the scaler itself skips a step whose grads are inf/NaN
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    err = _error_text(lambda: [step(poison=i == 1) for i in range(3)])
+    if err:
+        return Outcome(True, err)
+    return Outcome(False, f"3 steps, the NaN one skipped by GradScaler (scale now "
+                          f"{scaler.get_scale():g})")
+
+
+# --- 003: static checks catch what crashes mid-run ----------------------------------------
+BROKEN_SOURCE = '''\
+import torch
+
+
+def load_dtype(use_compile):
+    dtype = torch.bfloat16
+    if use_compile:
+        import torch
+    return dtype
+
+
+def kl_penalty(ref_lp, cur_lp):
+    kl = (ref_lp - cur_lp).clamp(0, 10)
+    return kl.mean(), delta.abs().max()
+'''
+FIXED_SOURCE = BROKEN_SOURCE.replace("    if use_compile:\n        import torch\n", "").replace(
+    "    kl = (ref_lp - cur_lp)", "    delta = ref_lp - cur_lp\n    kl = delta"
+)
+
+
+def static_check(fixed: bool) -> Outcome:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train_step.py"
+        path.write_text(FIXED_SOURCE if fixed else BROKEN_SOURCE)
+        ruff = subprocess.run(
+            [sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache",
+             "--output-format", "concise", str(path)],
+            capture_output=True, text=True,
+        )
+        found = [line.split(": ", 1)[1] for line in ruff.stdout.splitlines() if ": F" in line]
+    namespace: dict = {}
+    exec(compile(FIXED_SOURCE if fixed else BROKEN_SOURCE, "train_step.py", "exec"), namespace)
+    errors = [
+        _error_text(lambda: namespace["load_dtype"](True)),
+        _error_text(lambda: namespace["kl_penalty"](torch.zeros(2), torch.ones(2))),
+    ]
+    errors = [e for e in errors if e]
+    return Outcome(bool(found or errors), "ruff: " + ("; ".join(found) or "clean")
+                   + " | at run time: " + ("; ".join(errors) or "no error"))
+
+
+# --- 000/001: the whole naive configuration ----------------------------------------------
+def naive_run(fixed: bool) -> Outcome:
+    from .config import preset
+    from .trainer import Trainer
+
+    name = "stable" if fixed else "naive"
+    trainer = Trainer(preset(name, steps=40, eval_every=0, eval_size=16))
+    err = None
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            trainer.train(progress=False)
+        except RuntimeError as e:
+            err = f"{type(e).__name__}: {e}"
+    norms = [m["grad_norm"] for m in trainer.history if "grad_norm" in m]
+    finite = [g for g in norms if g == g and g != float("inf")]
+    bad = next((m["step"] for m in trainer.history if m.get("nonfinite_params")), None)
+    text = (f"{name}: max grad_norm {max(finite):.3g}, first non-finite step {bad}, "
+            f"{'crash at step ' + str(trainer.step_count + 1) + ': ' + err if err else 'no crash'}")
+    return Outcome(err is not None or bad is not None, text)
+
+
+# --- 004: a crash mid-training loses work ----------------------------------------------
+def crash_resume(fixed: bool) -> Outcome:
+    from .config import preset
+    from .trainer import Trainer, read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = preset("stable", steps=4, checkpoint_every=2 if fixed else 0, eval_size=8)
+        first = Trainer(cfg, out_dir=tmp)
+
+        def crash(m):
+            if m["step"] == 3:
+                raise KeyboardInterrupt
+
+        with contextlib.suppress(KeyboardInterrupt):
+            first.train(progress=False, callback=crash)
+        if not Path(tmp, "checkpoint.pt").exists():
+            return Outcome(True, "crashed at step 3 with no checkpoint: all 3 steps lost")
+        again = Trainer(cfg, out_dir=tmp)
+        again.load_checkpoint()
+        start = again.step_count
+        again.train(progress=False)
+        steps = [m["step"] for m in read_metrics(tmp)]
+    return Outcome(False, f"crashed at step 3, resumed from step {start}, finished: "
+                          f"metrics for steps {steps}")
+
+
+CATALOG: dict[str, Scenario] = {s.name: s for s in [
+    Scenario("naive-run", "000/001",
+             "grad norm spikes by orders of magnitude, parameters go NaN, sampling crashes",
+             "ratio against the reference, `clip_ratio * advantage`, no log-ratio clamp, "
+             "lr too high", "the stable preset: ratio vs the sampling policy, real clipping, "
+             "clamps, grad clipping, health checks", naive_run),
+    Scenario("nan-params-sampling-crash", "000",
+             "torch.multinomial: probability tensor contains either inf, nan or element < 0",
+             "NaN parameters from an exploded update give NaN logits",
+             "check parameter health after every update and roll back", nan_params_sampling_crash),
+    Scenario("pad-token-vocab-mismatch", "002", "IndexError: index out of range in self",
+             "a pad token added to the tokenizer has no embedding row",
+             "reuse EOS as pad, or resize the embeddings", pad_token_vocab_mismatch),
+    Scenario("accum-step-inside-loop", "003", "KL = 0.000, the model barely moves",
+             "zero_grad/step inside the micro-batch loop: each update sees one micro-batch",
+             "zero_grad before the loop, one step after it", _accumulation_scenario("step-inside")),
+    Scenario("accum-copy-instead-of-add", "003", "accumulated gradient = the last micro-batch's",
+             "p.grad.copy_(g) overwrites the earlier micro-batches",
+             "p.grad.add_(g) (or let backward() accumulate)", _accumulation_scenario("copy")),
+    Scenario("accum-unnormalised", "-", "accumulated gradient != full-batch gradient",
+             "each micro-batch's mean loss / K: micro-batches with fewer tokens weigh more",
+             "token weights from the whole batch (token_weights)",
+             _accumulation_scenario("mean-per-micro-batch")),
+    Scenario("empty-micro-batch", "004", "a forward pass on 0 rows fails",
+             "rows per chunk = batch // accum_steps is 0 when batch < accum_steps",
+             "split into non-empty chunks and refuse accum_steps > batch", empty_micro_batch),
+    Scenario("zero-std-group", "-", "NaN advantages -> NaN gradients",
+             "(r - mean) / std with std = 0 for a group whose rewards are all equal",
+             "divide by std + eps (advantage_eps)", zero_std_group),
+    Scenario("kl-wrong-fix", "003", "the KL estimate is biased; beta control acts on a wrong number",
+             "report 003 replaced k3 with (ref - cur).clamp(0, 10)",
+             "keep k3 = exp(ref - cur) - (ref - cur) - 1: unbiased and >= 0", kl_wrong_fix),
+    Scenario("temperature-ignored", "003",
+             "The following generation flags are not valid and may be ignored",
+             "temperature/top_p given while sampling is off (or through a logits processor)",
+             "pass do_sample=True with temperature/top_k/top_p to generate()",
+             temperature_ignored),
+    Scenario("temperature-zero", "000", "multinomial crash on NaN probabilities",
+             "logits / 0 is inf or NaN", "temperature > 0 is validated; use greedy for T = 0",
+             temperature_zero),
+    Scenario("amp-skip-no-inf-checks", "004",
+             "AssertionError: No inf checks were recorded for this optimizer",
+             "grads cleared on NaN, then scaler.step() finds nothing to unscale",
+             "let GradScaler skip the step itself (or skip step and update together)",
+             amp_skip_no_inf_checks),
+    Scenario("static-check", "003", "UnboundLocalError / NameError mid-run",
+             "`import torch` inside a function; `delta` deleted but still used",
+             "run ruff (F821, F823) before the run", static_check),
+    Scenario("crash-resume", "004", "a crash mid-training loses every step since the start",
+             "no checkpoints", "atomic checkpoints and --resume", crash_resume),
+]}
+
+
+def run_scenario(name: str, fixed: bool = False) -> Outcome:
+    if name not in CATALOG:
+        raise KeyError(f"unknown scenario {name!r}; see `python -m grpo_lab scenario --list`")
+    return CATALOG[name].run(fixed)
+
+
+def describe(s: Scenario) -> str:
+    return textwrap.dedent(f"""\
+        {s.name}  (report {s.report})
+          symptom: {s.symptom}
+          cause:   {s.cause}
+          fix:     {s.fix}""")

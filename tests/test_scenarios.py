@@ -1,0 +1,51 @@
+"""Every scenario reproduces its symptom when broken and shows it gone when fixed."""
+
+import subprocess
+import sys
+
+import pytest
+
+from grpo_lab.scenarios import CATALOG, run_scenario
+
+EXPECTED_TEXT = {  # the real error text the course promises, where there is one
+    "nan-params-sampling-crash": "probability tensor contains either `inf`, `nan` or element < 0",
+    "pad-token-vocab-mismatch": "IndexError: index out of range in self",
+    "temperature-ignored": "The following generation flags are not valid and may be ignored",
+    "amp-skip-no-inf-checks": "No inf checks were recorded for this optimizer",
+    "temperature-zero": "probability tensor contains either `inf`, `nan` or element < 0",
+    "static-check": "F823",
+    "naive-run": "probability tensor contains either `inf`, `nan` or element < 0",
+}
+
+
+@pytest.mark.parametrize("name", list(CATALOG))
+def test_broken_side_shows_the_symptom(name):
+    outcome = run_scenario(name, fixed=False)
+    assert outcome.symptom, outcome.evidence
+    if name in EXPECTED_TEXT:
+        assert EXPECTED_TEXT[name] in outcome.evidence, outcome.evidence
+
+
+@pytest.mark.parametrize("name", list(CATALOG))
+def test_fixed_side_shows_it_gone(name):
+    outcome = run_scenario(name, fixed=True)
+    assert not outcome.symptom, outcome.evidence
+
+
+def test_static_check_names_both_mistakes():
+    evidence = run_scenario("static-check").evidence
+    assert "F821" in evidence and "delta" in evidence
+    assert "UnboundLocalError" in evidence and "NameError" in evidence
+
+
+def test_cli_lists_and_runs_a_scenario():
+    run = [sys.executable, "-m", "grpo_lab", "scenario"]
+    listed = subprocess.run([*run, "--list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and all(n in listed.stdout for n in CATALOG)
+    broken = subprocess.run([*run, "zero-std-group"], capture_output=True, text=True, timeout=120)
+    assert broken.returncode == 0 and "[broken] symptom reproduced" in broken.stdout
+    fixed = subprocess.run([*run, "zero-std-group", "--fixed"], capture_output=True, text=True,
+                           timeout=120)
+    assert fixed.returncode == 0 and "[fixed] symptom gone" in fixed.stdout
+    bad = subprocess.run([*run, "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown scenario 'nope'" in bad.stderr
