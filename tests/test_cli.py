@@ -103,3 +103,40 @@ def test_cli_file_names_match_the_trainer():
     from grpo_lab import cli, trainer
 
     assert (cli.CHECKPOINT, cli.METRICS) == (trainer.CHECKPOINT, trainer.METRICS)
+
+
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
+    """A run killed with SIGKILL continues with --resume to exactly the same metrics."""
+    import signal
+    import time
+
+    common = ["--preset", "stable", "--steps", "16", "--seed", "3", "--checkpoint-every", "5",
+              "--eval-every", "8", "--eval-size", "32", "--no-progress"]
+    whole = tmp_path / "whole"
+    assert run("train", *common, "--out", str(whole)).returncode == 0
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_lab", "train", *common, "--out", str(killed)],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill once step 12 is logged: past the step-10 checkpoint
+        lines = (killed / "metrics.jsonl").read_text().splitlines() \
+            if (killed / "metrics.jsonl").exists() else []
+        if len(lines) >= 13:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert len(metrics(killed)) < 17, "the run finished before it was killed"
+    assert not (killed / "checkpoint.pt.tmp").exists() or (killed / "checkpoint.pt").exists()
+
+    p = run("train", "--out", str(killed), "--resume", "--no-progress")
+    assert p.returncode == 0, p.stderr
+
+    def strip(ms):
+        return [{k: v for k, v in m.items() if k != "step_time"} for m in ms]
+
+    assert strip(metrics(killed)) == strip(metrics(whole))
