@@ -159,8 +159,13 @@ def load_policy(profile: str | None = None, model_path: str | Path | None = None
                 "regenerate it with `python -m grpo_lab build-model`"
             )
         return load_local(TINY_MODEL_DIR)
-    from .warmstart import gpu_policy
+    from .warmstart import GPU_CACHE, gpu_policy
 
+    if not torch.cuda.is_available() and not (GPU_CACHE / "config.json").is_file():
+        raise ConfigError(
+            "profile 'gpu' (GPT-2 124M) needs CUDA to warm-start the model, and none is "
+            "available; use GRPO_LAB_PROFILE=cpu (the tiny GPT-2)"
+        )
     return gpu_policy()
 
 

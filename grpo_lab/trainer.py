@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import bugs
-from .config import GRPOConfig
+from .config import ConfigError, GRPOConfig
 from .health import (
     Snapshot,
     first_nonfinite_grad,
@@ -47,7 +47,14 @@ from .objective import (
     token_weights,
 )
 from .sampling import Rollout, greedy_accuracy, sample_group
-from .tasks import ProblemStream, addition_reward, checked_rewards, eval_problems
+from .tasks import (
+    MAX_OPERAND,
+    ProblemStream,
+    addition_reward,
+    checked_rewards,
+    eval_problems,
+    make_problem,
+)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -106,6 +113,15 @@ class Trainer:
             model, tokenizer = load_policy(cfg.profile, cfg.model_path)
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
+        # every task prompt has at most 6 characters, and no tokenizer makes more tokens than that
+        longest = len(make_problem(MAX_OPERAND, MAX_OPERAND).prompt)
+        n_positions = getattr(model.config, "n_positions", None)
+        if n_positions is not None and longest + cfg.max_new_tokens > n_positions:
+            raise ConfigError(
+                f"GRPOConfig.max_new_tokens must be <= {n_positions - longest} for this model "
+                f"(prompts up to {longest} tokens, {n_positions} positions; got "
+                f"{cfg.max_new_tokens})"
+            )
         self.policy = disable_dropout(model.to(self.device)).train()
         self.tokenizer = tokenizer
         # the reference is the starting policy, frozen: KL and (naive) the ratio use it

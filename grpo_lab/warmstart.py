@@ -111,7 +111,10 @@ def build_tiny_model(out_dir: Path = TINY_MODEL_DIR, log=print) -> dict:
     return summary
 
 
-def gpu_policy(cache_dir: Path = CACHE_DIR / "gpt2-124m-warm", pretrained: str = "gpt2"):
+GPU_CACHE = CACHE_DIR / "gpt2-124m-warm"
+
+
+def gpu_policy(cache_dir: Path = GPU_CACHE, pretrained: str = "gpt2"):
     """GPT-2 124M warm-started on the task, built once and cached in `cache_dir`."""
     if (cache_dir / "config.json").is_file():
         return load_local(cache_dir)

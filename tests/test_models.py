@@ -83,3 +83,22 @@ def test_pretrained_loader_offline_names_the_fallback(tmp_path, monkeypatch, cap
 def test_model_path_without_config_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         load_policy(model_path=tmp_path)
+
+
+def test_gpu_profile_without_cuda_is_a_clear_error(monkeypatch, tmp_path):
+    import grpo_lab.warmstart as warmstart
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(warmstart, "GPU_CACHE", tmp_path / "none")
+    with pytest.raises(ConfigError, match="GRPO_LAB_PROFILE=cpu"):
+        load_policy("gpu")
+
+
+def test_completion_longer_than_the_model_is_refused(tiny):
+    from grpo_lab.config import preset
+    from grpo_lab.trainer import Trainer
+
+    model, tok = tiny
+    with pytest.raises(ConfigError, match="max_new_tokens must be <= 26"):
+        Trainer(preset("stable", max_new_tokens=27), model, tok)
+    Trainer(preset("stable", max_new_tokens=26), model, tok)
