@@ -108,9 +108,16 @@ class GRPOConfig:
     snapshot (and reset the optimizer state)"""
     snapshot_every: int = 10
     """steps between in-memory snapshots of a healthy model, used for rollback"""
+    check_rewards: bool = False
+    """refuse a reward function's output when it raises, returns the wrong number of
+    rewards, or a NaN/inf/non-number, with an error naming the function"""
+    reward_timeout: float | None = None
+    """with check_rewards: stop with a clear error when the reward function has not
+    returned within this many seconds; None: wait forever"""
     safe_sampling: bool = False
     """sanitise logits (NaN -> -inf, +inf clamped) before sampling and raise a clear error
-    if no token is left, instead of a multinomial crash"""
+    if no token is left, instead of a multinomial crash; refuse prompt token ids outside
+    the model's vocabulary before the embedding lookup does"""
 
     # --- logging and checkpoints --------------------------------------------------------
     eval_every: int = 50
@@ -183,7 +190,7 @@ def validate(cfg: GRPOConfig) -> None:
     if not _is_number(cfg.top_p) or not 0 < cfg.top_p <= 1:
         _fail("top_p", "in (0, 1]", cfg.top_p)
     optional_positive = (
-        "logit_clamp", "log_ratio_clamp", "advantage_clamp", "max_grad_norm",
+        "logit_clamp", "log_ratio_clamp", "advantage_clamp", "max_grad_norm", "reward_timeout",
     )
     for name in optional_positive:
         v = getattr(cfg, name)
@@ -204,7 +211,8 @@ def validate(cfg: GRPOConfig) -> None:
             _fail(name, "one of " + ", ".join(repr(a) for a in allowed), v)
     if cfg.profile is not None and cfg.profile not in PROFILES:
         _fail("profile", "None (automatic) or one of 'cpu', 'gpu'", cfg.profile)
-    for name in ("skip_nonfinite_grad", "health_check", "safe_sampling", "scale_rewards"):
+    for name in ("skip_nonfinite_grad", "health_check", "safe_sampling", "scale_rewards",
+                 "check_rewards"):
         if not isinstance(getattr(cfg, name), bool):
             _fail(name, "True or False", getattr(cfg, name))
     batch = cfg.prompts_per_step * cfg.group_size
@@ -239,6 +247,8 @@ STABLE = dict(
     skip_nonfinite_grad=True,
     spike_skip_factor=20.0,
     health_check=True,
+    check_rewards=True,
+    reward_timeout=60.0,
     safe_sampling=True,
 )
 

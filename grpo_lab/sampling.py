@@ -69,6 +69,20 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int) ->
     return (eos_before == 0).long()
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, tokenizer=None) -> None:
+    """Refuse ids the embedding has no row for (report 002: a pad token added to the
+    tokenizer but not to the model), naming the id, instead of 'index out of range'."""
+    top = int(ids.max())
+    if top >= vocab_size or int(ids.min()) < 0:
+        which = ""
+        if tokenizer is not None and top == tokenizer.pad_token_id:
+            which = " (the tokenizer's pad_token_id: resize the embeddings or reuse EOS as pad)"
+        raise SamplingError(
+            f"token id {top} is outside the model's vocabulary of {vocab_size} "
+            f"embedding rows{which}"
+        )
+
+
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     eos = tokenizer.eos_token_id
     out = []
@@ -115,6 +129,8 @@ def sample_group(
     device = next(model.parameters()).device
     repeated = [p for p in prompts for _ in range(group_size)]
     prompt_ids, prompt_mask = encode_prompts(tokenizer, repeated, device)  # (B, P)
+    if safe:
+        check_token_ids(prompt_ids, model.get_input_embeddings().num_embeddings, tokenizer)
     was_training = model.training
     model.eval()
     out = model.generate(
@@ -145,14 +161,16 @@ def sample_group(
 
 @torch.no_grad()
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
-                       batch_size: int = 256) -> list[str]:
-    """Greedy (argmax) completions, for evaluation."""
+                       batch_size: int = 256, safe: bool = False) -> list[str]:
+    """Greedy (argmax) completions, for evaluation; `safe` checks the prompt ids."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     texts: list[str] = []
     for i in range(0, len(prompts), batch_size):
         ids, mask = encode_prompts(tokenizer, prompts[i : i + batch_size], device)
+        if safe:
+            check_token_ids(ids, model.get_input_embeddings().num_embeddings, tokenizer)
         seq = model.generate(
             input_ids=ids, attention_mask=mask,
             generation_config=generation_config(tokenizer, max_new_tokens, False),
@@ -165,11 +183,12 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     return texts
 
 
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int) -> float:
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, safe: bool = False) -> float:
     """Fraction of `problems` whose greedy completion is exactly the answer."""
     from .tasks import addition_reward
 
-    texts = greedy_completions(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
+    texts = greedy_completions(model, tokenizer, [p.prompt for p in problems], max_new_tokens,
+                               safe=safe)
     rewards = addition_reward(texts, [p.answer for p in problems])
     return sum(rewards) / len(rewards)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -75,11 +76,41 @@ class RewardError(ValueError):
     """A reward function broke its contract (wrong length, non-numbers, NaN)."""
 
 
-def checked_rewards(reward_fn: RewardFn, completions: list[str], **columns) -> list[float]:
-    """Call `reward_fn` and refuse anything the trainer must not learn from."""
+def _call_with_timeout(fn: Callable, timeout: float | None, *args, **kwargs):
+    """fn(*args, **kwargs), or RewardError when it has not returned within `timeout` s.
+    (A thread cannot be killed: a hung call keeps its daemon thread, the run stops.)"""
+    if timeout is None:
+        return fn(*args, **kwargs)
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise RewardError(
+            f"reward function {name!r} did not return within reward_timeout={timeout:g} s"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def checked_rewards(reward_fn: RewardFn, completions: list[str], timeout: float | None = None,
+                    **columns) -> list[float]:
+    """Call `reward_fn` and refuse anything the trainer must not learn from: an exception,
+    a hang past `timeout`, the wrong number of rewards, a non-number or NaN/inf."""
     name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
     try:
-        rewards = list(reward_fn(completions, **columns))
+        rewards = list(_call_with_timeout(reward_fn, timeout, completions, **columns))
+    except RewardError:
+        raise
     except Exception as e:
         raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
     if len(rewards) != len(completions):

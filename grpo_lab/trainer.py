@@ -160,10 +160,12 @@ class Trainer:
             cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, safe=cfg.safe_sampling,
         )
         answers = [p.answer for p in problems for _ in range(cfg.group_size)]
-        rewards = torch.tensor(
-            checked_rewards(self.reward_fn, rollout.completions, answer=answers),
-            device=self.device,
-        )  # (B,)
+        if cfg.check_rewards:
+            scores = checked_rewards(self.reward_fn, rollout.completions, cfg.reward_timeout,
+                                     answer=answers)
+        else:  # the reports' code: whatever comes back is trained on
+            scores = self.reward_fn(rollout.completions, answer=answers)
+        rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)  # (B,)
         advantages = group_advantages(
             rewards, cfg.group_size, cfg.advantage_eps, cfg.scale_rewards
         )  # (B,)
@@ -212,8 +214,11 @@ class Trainer:
                 logits = completion_logits(
                     self.policy, ids[sl], attn[sl], C, cfg.temperature, cfg.logit_clamp
                 )  # (b, C, V)
-            logp = token_logprobs(logits, ids[sl, -C:])  # (b, C)
-            ratio_logp, ratio_baseline = logp, baseline[sl]
+            m = mask[sl].bool()
+            # padding positions get equal, finite inputs: nothing there can overflow into
+            # the loss as 0 * inf = NaN
+            logp = token_logprobs(logits, ids[sl, -C:]).masked_fill(~m, 0.0)  # (b, C)
+            ratio_logp, ratio_baseline = logp, baseline[sl].masked_fill(~m, 0.0)
             if cfg.ratio_level == "sequence":  # report 001: one summed log-ratio per row
                 ratio_logp, ratio_baseline = bugs.sequence_log_ratio_inputs(
                     logp, baseline[sl], mask[sl]
@@ -222,10 +227,8 @@ class Trainer:
                 ratio_logp, ratio_baseline, batch.advantages[sl], cfg.epsilon_low,
                 cfg.epsilon_high, cfg.log_ratio_clamp,
             )  # (b, C)
-            m = mask[sl].bool()
             if cfg.beta > 0:
-                # padding positions: equal inputs, so exp() cannot overflow into 0 * inf
-                kl = kl_k3(logp.masked_fill(~m, 0.0), batch.ref_logp[sl].masked_fill(~m, 0.0))
+                kl = kl_k3(logp, batch.ref_logp[sl].masked_fill(~m, 0.0))  # (b, C)
                 per_token = per_token + cfg.beta * kl
                 stats["kl"] = stats["kl"] + (kl.detach() * m).sum()
             loss = (per_token * batch.weights[sl]).sum()
@@ -337,7 +340,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Greedy accuracy on the fixed held-out set."""
-        return greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg.max_new_tokens)
+        return greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg.max_new_tokens,
+                               safe=self.cfg.safe_sampling)
 
     # ---- the loop ------------------------------------------------------------------------
     def train(self, steps: int | None = None, progress: bool = True, callback=None) -> list[dict]:

@@ -1,0 +1,215 @@
+"""Fault injection: break a run on purpose at one step and see what the trainer does.
+
+The stable trainer must either recover (the update skipped, or the model rolled back to
+its last healthy snapshot, both visible in the metrics) or stop with a clear error before
+anything corrupt reaches a checkpoint. The naive trainer, given the same fault, must fail
+(crash with a raw error, end with non-finite weights, apply the bad update, or hang):
+that proves the fault is real.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, preset
+from .health import nonfinite_params
+from .sampling import SamplingError
+from .tasks import RewardError, addition_reward
+
+INJECT_AT = 7  # the step whose work the fault breaks (after the spike rule's warm-up)
+STEPS = 8
+HANG_LIMIT = 20.0  # seconds past the reward timeout before the runner calls a run hung
+CLEAR_ERRORS = (RewardError, SamplingError, ConfigError)
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    preset: str
+    completed: bool  # all steps ran
+    error: str | None  # the exception that stopped the run, "hung", or None
+    clear_error: bool  # the stop was one of the trainer's own clear errors
+    skipped: int  # updates skipped by a safety rule
+    rolled_back: int  # steps rolled back to a healthy snapshot
+    final_nonfinite: int  # non-finite parameters in the model at the end
+    checkpoint_nonfinite: int | None  # ... in the last checkpoint on disk (None: none)
+
+    @property
+    def survived(self) -> bool:
+        """Recovered, or stopped cleanly, with nothing corrupt saved."""
+        clean_disk = not self.checkpoint_nonfinite
+        recovered = self.completed and self.final_nonfinite == 0 and (
+            self.skipped or self.rolled_back
+        )
+        return bool(clean_disk and (recovered or (not self.completed and self.clear_error)))
+
+    def summary(self) -> str:
+        how = "completed" if self.completed else f"stopped: {self.error}"
+        return (f"{self.preset:6s} {how}; skipped {self.skipped}, rolled back "
+                f"{self.rolled_back}, non-finite params {self.final_nonfinite}, in checkpoint "
+                f"{self.checkpoint_nonfinite}")
+
+
+# --- injections: each changes one trainer so that step INJECT_AT goes wrong ------------------
+def _at_fault_step(trainer) -> bool:
+    return trainer.step_count == INJECT_AT - 1  # step_count counts finished steps
+
+
+def _after_update(poison: Callable[[torch.nn.Parameter], None]):
+    def inject(trainer):
+        update = trainer._update
+
+        def patched():
+            skipped = update()
+            if _at_fault_step(trainer):
+                with torch.no_grad():
+                    poison(next(trainer.policy.parameters()))
+            return skipped
+
+        trainer._update = patched
+
+    return inject
+
+
+def _grads_nan(trainer):
+    update = trainer._update
+
+    def patched():
+        if _at_fault_step(trainer):
+            next(trainer.policy.parameters()).grad[0, 0] = float("nan")
+        return update()
+
+    trainer._update = patched
+
+
+def _logits_nan(trainer):
+    def hook(module, inputs, output):
+        if torch.is_grad_enabled() and _at_fault_step(trainer):
+            poison = torch.ones_like(output)
+            poison[0] = float("nan")  # every logit of the first sequence, still in the graph
+            output = output * poison
+        return output
+
+    trainer.policy.lm_head.register_forward_hook(hook)
+
+
+def _loss_spike(trainer):
+    make_batch = trainer.make_batch
+
+    def patched():
+        batch = make_batch()
+        if _at_fault_step(trainer):
+            batch.weights = batch.weights * 1e4  # the step's loss, and gradient, x 1e4
+        return batch
+
+    trainer.make_batch = patched
+
+
+def _reward(bad: Callable[[list[str], list[float]], object]):
+    def inject(trainer):
+        def reward_fn(completions, **columns):
+            rewards = addition_reward(completions, **columns)
+            return bad(completions, rewards) if _at_fault_step(trainer) else rewards
+
+        reward_fn.__name__ = "addition_reward_with_fault"
+        trainer.reward_fn = reward_fn
+
+    return inject
+
+
+def _nan_reward(completions, rewards):
+    return [float("nan"), *rewards[1:]]
+
+
+def _raise(completions, rewards):
+    raise ValueError("the grader crashed")
+
+
+def _hang(completions, rewards):
+    time.sleep(3600)
+
+
+def _short(completions, rewards):
+    return rewards[:-8]  # one group's rewards missing
+
+
+def _oov_pad(trainer):
+    # report 002: a new pad token in the tokenizer, none in the model's embedding
+    trainer.tokenizer.add_special_tokens({"pad_token": "<new-pad>"})
+
+
+FAULTS: dict[str, Callable] = {
+    "nan-params": _after_update(lambda p: p.view(-1)[0].fill_(float("nan"))),
+    "inf-params": _after_update(lambda p: p.view(-1)[0].fill_(float("inf"))),
+    "nan-grads": _grads_nan,
+    "nan-logits": _logits_nan,
+    "loss-spike": _loss_spike,
+    "nan-rewards": _reward(_nan_reward),
+    "reward-raises": _reward(_raise),
+    "reward-hangs": _reward(_hang),
+    "reward-wrong-length": _reward(_short),
+    "oov-token-id": _oov_pad,
+}
+
+
+def run_fault(name: str, preset_name: str, **overrides) -> FaultResult:
+    """Train STEPS steps with the fault injected at step INJECT_AT; report what happened."""
+    from .trainer import CHECKPOINT, Trainer
+
+    if preset_name == "stable":
+        overrides.setdefault("reward_timeout", 2.0)
+    cfg = preset(preset_name, steps=STEPS, checkpoint_every=2, eval_every=0, eval_size=16,
+                 **overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(cfg, out_dir=tmp)
+        FAULTS[name](trainer)
+        outcome: dict = {}
+
+        def target():
+            try:
+                trainer.train(progress=False)
+            except Exception as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        thread.join(HANG_LIMIT + (cfg.reward_timeout or 0))
+        hung = thread.is_alive()
+        err = outcome.get("error")
+        ckpt = Path(tmp) / CHECKPOINT
+        ckpt_bad = None
+        if ckpt.exists():
+            state = torch.load(ckpt, map_location="cpu", weights_only=False)["policy"]
+            ckpt_bad = sum(int((~torch.isfinite(t)).sum()) for t in state.values()
+                           if t.is_floating_point())
+        history = [m for m in trainer.history if "skipped" in m]
+        return FaultResult(
+            fault=name, preset=preset_name,
+            completed=not hung and err is None and trainer.step_count == STEPS,
+            error="hung" if hung else (f"{type(err).__name__}: {err}" if err else None),
+            clear_error=isinstance(err, CLEAR_ERRORS),
+            skipped=sum(m["skipped"] for m in history),
+            rolled_back=sum(m["rolled_back"] for m in history),
+            final_nonfinite=0 if hung else nonfinite_params(trainer.policy),
+            checkpoint_nonfinite=ckpt_bad,
+        )
+
+
+def empty_micro_batch_fault() -> tuple[str, str]:
+    """The one fault a config catches before a trainer exists: more micro-batches than
+    rows. Returns (stable's answer, naive report-004 chunking's answer)."""
+    from .scenarios import run_scenario
+
+    try:
+        preset("stable", prompts_per_step=1, group_size=2, grad_accum_steps=4)
+        stable = "accepted"
+    except ConfigError as e:
+        stable = f"ConfigError: {e}"
+    return stable, run_scenario("empty-micro-batch").evidence
