@@ -104,6 +104,8 @@ def build_parser() -> Parser:
     scen.add_argument("--list", action="store_true", help="list the scenarios")
     scen.add_argument("--fixed", action="store_true", help="run the fix instead of the bug")
 
+    sub.add_parser("reliability", help="run every scenario, fault, bad input and resume check")
+
     build = sub.add_parser("build-model", help="regenerate the shipped tiny GPT-2")
     build.add_argument("--out", type=Path, default=None)
     return parser
@@ -113,11 +115,12 @@ def _config_from_args(args) -> GRPOConfig:
     overrides: dict = {}
     if args.config is not None:
         try:
-            overrides.update(json.loads(args.config.read_text()))
+            loaded = json.loads(args.config.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--config {args.config}: {e}") from None
-        if not isinstance(overrides, dict):
+        if not isinstance(loaded, dict):
             raise UsageError(f"--config {args.config}: must hold a JSON object of config fields")
+        overrides.update(loaded)
         known = {f.name for f in dataclasses.fields(GRPOConfig)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -246,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "scenario":
             return cmd_scenario(args)
+        if args.command == "reliability":
+            from .reliability import main as reliability
+
+            return reliability()
         return cmd_build_model(args)
     except (UsageError, ConfigError) as e:
         print(f"grpo_lab: error: {e}", file=sys.stderr)

@@ -283,6 +283,45 @@ def naive_run(fixed: bool) -> Outcome:
     return Outcome(err is not None or bad is not None, text)
 
 
+# --- 000/001: no health monitoring ---------------------------------------------------------
+def no_health_monitoring(fixed: bool) -> Outcome:
+    from .config import preset
+    from .trainer import Trainer
+
+    trainer = Trainer(preset("naive", steps=30, eval_every=0, eval_size=16, health_check=fixed))
+    err = None
+    try:
+        trainer.train(progress=False)
+    except RuntimeError as e:
+        err = f"{type(e).__name__}: {e}"
+    first_bad = next((m["step"] for m in trainer.history if m.get("nonfinite_params")), None)
+    rollbacks = sum(m.get("rolled_back", 0) for m in trainer.history)
+    if err:
+        return Outcome(True, f"parameters went non-finite at step {first_bad}; nothing looked "
+                             f"until step {trainer.step_count + 1} crashed: {err}")
+    return Outcome(False, f"health check caught non-finite parameters at step {first_bad} and "
+                          f"rolled back {rollbacks} time(s); {trainer.step_count} steps, no crash")
+
+
+# --- 001: exp() of a summed log-ratio ---------------------------------------------------
+def log_ratio_overflow(fixed: bool) -> Outcome:
+    from . import bugs
+
+    logp = torch.tensor([[-0.1, -0.2, -0.1, -0.3]], requires_grad=True)
+    ref_logp = torch.tensor([[-25.0, -30.0, -22.0, -28.0]])  # tokens the reference found unlikely
+    seq_logp, seq_base = bugs.sequence_log_ratio_inputs(logp, ref_logp, torch.ones_like(logp))
+    loss, _ = bugs.constant_clip_surrogate(seq_logp, seq_base, torch.tensor([-1.0]),
+                                           log_ratio_clamp=10.0 if fixed else None)
+    loss.sum().backward()
+    summed = float((seq_logp - seq_base)[0, 0].detach())
+    ratio = torch.exp(torch.tensor(min(summed, 10.0) if fixed else summed))
+    grad = logp.grad.abs().max().item()
+    finite = bool(torch.isfinite(loss).all()) and grad == grad and grad != float("inf")
+    return Outcome(not finite, f"summed log-ratio {summed:.1f} -> "
+                               f"ratio {float(ratio):.3g}, loss {loss.sum().item():.3g}, "
+                               f"max |grad| {grad:.3g}")
+
+
 # --- 004: a crash mid-training loses work ----------------------------------------------
 def crash_resume(fixed: bool) -> Outcome:
     from .config import preset
@@ -357,6 +396,16 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
     Scenario("static-check", "003", "UnboundLocalError / NameError mid-run",
              "`import torch` inside a function; `delta` deleted but still used",
              "run ruff (F821, F823) before the run", static_check),
+    Scenario("no-health-monitoring", "000/001",
+             "corruption is noticed only when sampling crashes, a step after it happened",
+             "nobody checks the parameters after an update",
+             "count non-finite parameters after every update; roll back to a snapshot",
+             no_health_monitoring),
+    Scenario("log-ratio-overflow", "001",
+             "ratio = exp(105) = inf: the loss and gradients go inf/NaN",
+             "log-ratios summed over a sequence against the reference, no clamp",
+             "token-level ratios against the sampling policy; clamp the log-ratio as a net",
+             log_ratio_overflow),
     Scenario("crash-resume", "004", "a crash mid-training loses every step since the start",
              "no checkpoints", "atomic checkpoints and --resume", crash_resume),
 ]}

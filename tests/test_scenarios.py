@@ -15,6 +15,8 @@ EXPECTED_TEXT = {  # the real error text the course promises, where there is one
     "temperature-zero": "probability tensor contains either `inf`, `nan` or element < 0",
     "static-check": "F823",
     "naive-run": "probability tensor contains either `inf`, `nan` or element < 0",
+    "no-health-monitoring": "probability tensor contains either `inf`, `nan` or element < 0",
+    "log-ratio-overflow": "ratio inf",
 }
 
 
