@@ -105,6 +105,8 @@ def build_parser() -> Parser:
     scen.add_argument("--fixed", action="store_true", help="run the fix instead of the bug")
 
     sub.add_parser("reliability", help="run every scenario, fault, bad input and resume check")
+    nbs = sub.add_parser("notebooks", help="execute solutions/ notebooks and store outputs")
+    nbs.add_argument("paths", nargs="*", help="notebooks (default: solutions/*.ipynb)")
 
     build = sub.add_parser("build-model", help="regenerate the shipped tiny GPT-2")
     build.add_argument("--out", type=Path, default=None)
@@ -249,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "scenario":
             return cmd_scenario(args)
+        if args.command == "notebooks":
+            from .notebooks import main as notebooks
+
+            return notebooks(args.paths)
         if args.command == "reliability":
             from .reliability import main as reliability
 

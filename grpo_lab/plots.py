@@ -68,3 +68,56 @@ def plot_run(history: list[dict], path: str | Path | None = None, title: str = "
             fig.savefig(path, dpi=100)
             plt.close(fig)
     return fig
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (where display handles and widgets exist)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+class LivePlot:
+    """A training callback that keeps a figure of the run up to date while it trains.
+
+        trainer.train(callback=LivePlot(every=20))
+
+    In a notebook it redraws one figure in place every `every` steps (and at the end,
+    via `close()`); elsewhere (a terminal, a headless kernel) it prints one line instead."""
+
+    def __init__(self, every: int = 20, title: str = ""):
+        self.every, self.title = every, title
+        self.history: list[dict] = []
+        self.handle = None
+        self.notebook = in_notebook()
+
+    def __call__(self, metrics: dict) -> None:
+        self.history.append(metrics)
+        if metrics["step"] % self.every == 0:
+            self.draw()
+
+    def draw(self) -> None:
+        if not self.history or self.history[-1]["step"] == getattr(self, "drawn_step", None):
+            return
+        self.drawn_step = self.history[-1]["step"]
+        if not self.notebook:
+            m = self.history[-1]
+            acc = f", eval/accuracy {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+            print(f"step {m['step']}: reward {m['reward']:.3f}, grad_norm "
+                  f"{m['grad_norm']:.3g}, kl {m['kl']:.3g}{acc}")
+            return
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        fig = plot_run(self.history, title=self.title)
+        if self.handle is None:
+            self.handle = display(fig, display_id=True)
+        else:
+            self.handle.update(fig)
+        plt.close(fig)
+
+    def close(self) -> None:
+        self.draw()

@@ -1,0 +1,322 @@
+"""Exercise checkers: `check_<name>(your_fn)` compares your function with the reference
+on random and edge-case inputs and says, in the learner's terms, what is wrong.
+
+A checker never raises. It prints one verdict and returns a `CheckResult`:
+
+    result = check_group_advantages(group_advantages)
+    group_advantages = result.use()  # yours if it passed, else the reference: the rest runs
+
+An exercise still raising NotImplementedError reports "not implemented yet".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import objective
+
+
+@dataclass
+class CheckResult:
+    exercise: str
+    status: str  # "passed" | "failed" | "not implemented"
+    reason: str
+    yours: Callable | None
+    reference: Callable
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def use(self) -> Callable:
+        return self.yours if self.passed else self.reference
+
+
+class Mismatch(Exception):
+    """A case where the learner's function disagrees with the reference (message: why)."""
+
+
+def _close(a, b, atol=1e-5, rtol=1e-4) -> bool:
+    if isinstance(b, torch.Tensor):
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+            return False
+        return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol, equal_nan=True))
+    if isinstance(b, float):
+        return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
+    return a == b
+
+
+def _shape(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)[:60]
+
+
+def run_check(name: str, yours: Callable, reference: Callable,
+              cases: list[tuple[str, Callable[[Callable], None]]]) -> CheckResult:
+    """Run each (description, test) case; the first failing one gives the reason."""
+    label = f"check_{name}"
+    for description, case in cases:
+        try:
+            case(yours)
+        except NotImplementedError:
+            reason = "not implemented yet: the notebook carries on with the reference"
+            print(f"⏳ {label}: {reason}")
+            return CheckResult(name, "not implemented", reason, yours, reference)
+        except Mismatch as e:
+            reason = f"{description}: {e}"
+            print(f"❌ {label}: {reason}")
+            return CheckResult(name, "failed", reason, yours, reference)
+        except Exception as e:
+            reason = f"{description}: your function raised {type(e).__name__}: {e}"
+            print(f"❌ {label}: {reason}")
+            return CheckResult(name, "failed", reason, yours, reference)
+    print(f"✅ {label}: passed {len(cases)} cases")
+    return CheckResult(name, "passed", "", yours, reference)
+
+
+def _expect(got, want, what: str, **tol) -> None:
+    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
+        if got.shape != want.shape:
+            raise Mismatch(f"{what} has {_shape(got)}, expected {_shape(want)}")
+        if torch.isnan(got).any() and not torch.isnan(want).any():
+            raise Mismatch(f"{what} contains NaN where the reference has none")
+    if not _close(got, want, **tol):
+        raise Mismatch(f"{what} is {_fmt(got)}, expected {_fmt(want)}")
+
+
+def _fmt(x) -> str:
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().flatten()[:6].tolist()
+        return f"{[round(v, 4) if isinstance(v, float) else v for v in flat]}" + (
+            "..." if x.numel() > 6 else "")
+    return repr(x)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- 00 --------------------------------------------------------------------------------------
+def check_count_parameters(fn: Callable) -> CheckResult:
+    from .models import count_parameters
+
+    def case(f, model):
+        _expect(f(model), count_parameters(model), "the count")
+
+    lin = torch.nn.Linear(3, 4)
+    frozen = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 5, bias=False))
+    frozen[0].requires_grad_(False)  # frozen weights are still parameters
+    return run_check("count_parameters", fn, count_parameters, [
+        ("a 3 -> 4 linear layer (weights and bias)", lambda f: case(f, lin)),
+        ("a model with a frozen layer", lambda f: case(f, frozen)),
+    ])
+
+
+# --- 01 --------------------------------------------------------------------------------------
+def check_position_ids_from_mask(fn: Callable) -> CheckResult:
+    ref = objective.position_ids_from_mask
+
+    def case(mask):
+        def run(f):
+            got = f(mask.clone())
+            want = ref(mask)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and not torch.equal(
+                got.long(), want
+            ):
+                row = int((got.long() != want).any(-1).nonzero()[0])
+                raise Mismatch(f"row {row} with mask {mask[row].tolist()} got positions "
+                               f"{got[row].tolist()}, expected {want[row].tolist()} (the first "
+                               "real token is position 0, padding does not advance it)")
+            _expect(got, want, "the position ids")
+        return run
+
+    return run_check("position_ids_from_mask", fn, ref, [
+        ("no padding", case(torch.ones(2, 4, dtype=torch.long))),
+        ("left padding of different lengths",
+         case(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))),
+        ("a row that is all padding", case(torch.tensor([[0, 0, 0], [0, 1, 1]]))),
+    ])
+
+
+def check_token_logprobs(fn: Callable) -> CheckResult:
+    ref = objective.token_logprobs
+
+    def case(logits, ids, what):
+        def run(f):
+            got = f(logits.clone(), ids.clone())
+            if isinstance(got, torch.Tensor) and got.shape == ids.shape and (got > 1e-6).any():
+                raise Mismatch(f"{what}: some log-probs are > 0; did you gather from the logits "
+                               "instead of log_softmax(logits)?")
+            _expect(got, ref(logits, ids), f"{what}: the log-probs")
+        return run
+
+    logits = torch.randn(3, 4, 7, generator=_gen(0))
+    ids = torch.randint(0, 7, (3, 4), generator=_gen(1))
+    big = torch.randn(2, 3, 5, generator=_gen(2)) * 1000  # softmax(exp) overflows naively
+    return run_check("token_logprobs", fn, ref, [
+        ("random logits", case(logits, ids, "random logits")),
+        ("logits of size 1000 (use log_softmax, not log(softmax))",
+         case(big, torch.zeros(2, 3, dtype=torch.long), "huge logits")),
+    ])
+
+
+# --- 02 --------------------------------------------------------------------------------------
+def check_group_advantages(fn: Callable) -> CheckResult:
+    ref = objective.group_advantages
+
+    def case(rewards, g, **kw):
+        def run(f):
+            got = f(rewards.clone(), g, **kw)
+            want = ref(rewards, g, **kw)
+            if isinstance(got, torch.Tensor) and torch.isnan(got).any():
+                raise Mismatch("your advantages are NaN when every reward in a group is "
+                               "equal: divide by (std + advantage_eps)")
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                grouped = got.view(-1, g).sum(-1)
+                if grouped.abs().max() > 1e-4 and want.view(-1, g).sum(-1).abs().max() < 1e-4:
+                    raise Mismatch("your advantages do not sum to 0 within each group: "
+                                   "subtract each group's own mean, not the batch mean")
+            _expect(got, want, f"advantages for rewards {rewards.tolist()}")
+        return run
+
+    rnd = torch.rand(12, generator=_gen(3))
+    return run_check("group_advantages", fn, ref, [
+        ("a group whose rewards are all equal",
+         case(torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 1]), 4)),
+        ("random rewards, G=4", case(rnd, 4)),
+        ("binary rewards, G=4", case(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4)),
+        ("scale_rewards=False only centres", case(rnd, 3, scale_rewards=False)),
+        ("a larger advantage_eps", case(rnd, 6, advantage_eps=0.5)),
+    ])
+
+
+# --- 03 --------------------------------------------------------------------------------------
+def check_kl_k3(fn: Callable) -> CheckResult:
+    ref = objective.kl_k3
+    logp = -torch.rand(4, 5, generator=_gen(4)) * 3
+    ref_logp = -torch.rand(4, 5, generator=_gen(5)) * 3
+
+    def run(f):
+        got = f(logp.clone(), ref_logp.clone())
+        if isinstance(got, torch.Tensor) and got.shape == logp.shape and (got < -1e-6).any():
+            raise Mismatch("your k3 is negative somewhere; k3 = exp(r) - r - 1 with "
+                           "r = ref_logp - logp is never negative")
+        if isinstance(got, torch.Tensor) and _close(got, ref(ref_logp, logp)):
+            raise Mismatch("your log-ratio has the wrong sign: r = ref_logp - logp")
+        _expect(got, ref(logp, ref_logp), "k3")
+
+    def equal(f):
+        _expect(f(logp.clone(), logp.clone()), torch.zeros_like(logp), "k3 for identical policies")
+
+    return run_check("kl_k3", fn, ref, [("random log-probs", run), ("identical policies", equal)])
+
+
+def check_clipped_surrogate(fn: Callable) -> CheckResult:
+    from . import bugs
+
+    ref = objective.clipped_surrogate
+    old = -torch.rand(6, 3, generator=_gen(6)) * 2
+    log_r = torch.tensor([-1.0, -0.3, -0.1, 0.0, 0.1, 0.3]).unsqueeze(-1).expand(6, 3)
+    logp = old + log_r
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+
+    def run(f, eps_low=0.2, eps_high=0.2):
+        lp = logp.clone().requires_grad_(True)
+        got = f(lp, old.clone(), adv.clone(), eps_low, eps_high)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise Mismatch("return (per_token_loss, region_clipped), a pair of (B, C) tensors")
+        want_loss, want_clipped = ref(logp, old, adv, eps_low, eps_high)
+        const, _ = bugs.constant_clip_surrogate(logp, old, adv, eps_low, eps_high)
+        if _close(got[0], const) and not _close(got[0], want_loss):
+            raise Mismatch("your clipped term multiplies the advantage by the clip range "
+                           "(report 000's `clip_ratio * advantage`); clip the *ratio*: "
+                           "clamp(r, 1 - eps_low, 1 + eps_high) * A")
+        _expect(got[0], want_loss, f"the per-token loss (eps_low={eps_low}, eps_high={eps_high})")
+        _expect(got[1].bool(), want_clipped, "region_clipped")
+        got[0].sum().backward()
+        lp2 = logp.clone().requires_grad_(True)
+        ref(lp2, old, adv, eps_low, eps_high)[0].sum().backward()
+        _expect(lp.grad, lp2.grad, "the gradient with respect to logp")
+
+    def reference_ratio(f):
+        # a ratio against the old policy is 1 when nothing changed: loss = -A on every token
+        got = f(old.clone(), old.clone(), adv.clone(), 0.2, 0.2)
+        _expect(got[0], -adv.unsqueeze(-1).expand(6, 3), "the loss when logp == old_logp")
+
+    return run_check("clipped_surrogate", fn, ref, [
+        ("ratios inside and outside [0.8, 1.2], both signs of A", run),
+        ("asymmetric clip range (eps_high = 0.28)", lambda f: run(f, 0.2, 0.28)),
+        ("ratio 1 when the policy has not moved", reference_ratio),
+    ])
+
+
+def check_token_weights(fn: Callable) -> CheckResult:
+    ref = objective.token_weights
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+
+    def case(loss_type):
+        def run(f):
+            got = f(mask.clone(), loss_type, 5)
+            want = ref(mask, loss_type, 5)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and not _close(
+                got.sum(), want.sum()
+            ):
+                raise Mismatch(f"{loss_type}: your weights sum to {float(got.sum()):.4f}, "
+                               f"expected {float(want.sum()):.4f}")
+            _expect(got, want, f"{loss_type} weights for lengths [3, 1, 5, 0]")
+        return run
+
+    return run_check("token_weights", fn, ref, [(t, case(t)) for t in
+                                                ("grpo", "bnpo", "dapo", "dr_grpo")])
+
+
+# --- 04 --------------------------------------------------------------------------------------
+def check_addition_reward(fn: Callable) -> CheckResult:
+    from .tasks import addition_reward
+
+    def case(completions, answers, what):
+        def run(f):
+            got = f(completions, answer=answers, prompt=["?"] * len(completions))
+            got = list(got) if got is not None else None
+            _expect(got, addition_reward(completions, answers), what)
+        return run
+
+    return run_check("addition_reward", fn, addition_reward, [
+        ("exact answers", case(["46", "7"], ["46", "7"], "rewards for right answers")),
+        ("wrong answers", case(["45", "", "4"], ["46", "0", "46"], "rewards for wrong answers")),
+        ("surrounding spaces", case([" 46", "46 "], ["46", "46"], "rewards with spaces")),
+        ("extra columns in **kwargs", case(["1"], ["1"], "rewards")),
+    ])
+
+
+# --- 05 --------------------------------------------------------------------------------------
+def reference_first_nonfinite_step(history: list[dict]) -> int | None:
+    """The first step whose metrics show non-finite parameters, else None."""
+    return next((m["step"] for m in history if m.get("nonfinite_params", 0) > 0), None)
+
+
+def check_first_nonfinite_step(fn: Callable) -> CheckResult:
+    ref = reference_first_nonfinite_step
+    nan = float("nan")
+    healthy = [{"step": s, "grad_norm": 1.0, "nonfinite_params": 0} for s in range(1, 6)]
+    broken = healthy + [{"step": 6, "grad_norm": nan, "nonfinite_params": 12},
+                        {"step": 7, "grad_norm": nan, "nonfinite_params": 99}]
+    spike_then_nan = healthy[:3] + [{"step": 4, "grad_norm": 1e6, "nonfinite_params": 0},
+                                    {"step": 5, "grad_norm": nan, "nonfinite_params": 7}]
+    with_eval = [{"step": 0, "eval/accuracy": 0.4}] + broken
+
+    def case(history, what):
+        def run(f):
+            _expect(f([dict(m) for m in history]), ref(history), what)
+        return run
+
+    return run_check("first_nonfinite_step", fn, ref, [
+        ("a healthy run", case(healthy, "the answer for a healthy run")),
+        ("a run that breaks at step 6", case(broken, "the first bad step")),
+        ("a spike before the NaN", case(spike_then_nan,
+                                        "the first bad step (a spike is not yet corruption)")),
+        ("an eval-only row at step 0", case(with_eval, "the first bad step")),
+    ])
