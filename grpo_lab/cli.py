@@ -105,6 +105,8 @@ def build_parser() -> Parser:
     scen.add_argument("--fixed", action="store_true", help="run the fix instead of the bug")
 
     sub.add_parser("reliability", help="run every scenario, fault, bad input and resume check")
+    labs = sub.add_parser("labs", help="generate labs/ from solutions/ (student versions)")
+    labs.add_argument("--check", action="store_true", help="exit 1 when labs/ is out of sync")
     nbs = sub.add_parser("notebooks", help="execute solutions/ notebooks and store outputs")
     nbs.add_argument("paths", nargs="*", help="notebooks (default: solutions/*.ipynb)")
 
@@ -251,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "scenario":
             return cmd_scenario(args)
+        if args.command == "labs":
+            from .labs import main as labs
+
+            return labs(check=args.check)
         if args.command == "notebooks":
             from .notebooks import main as notebooks
 
