@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import objective
+from .grade import record_check
 
 
 @dataclass
@@ -58,23 +59,24 @@ def run_check(name: str, yours: Callable, reference: Callable,
               cases: list[tuple[str, Callable[[Callable], None]]]) -> CheckResult:
     """Run each (description, test) case; the first failing one gives the reason."""
     label = f"check_{name}"
+    status, reason = "passed", ""
     for description, case in cases:
         try:
             case(yours)
         except NotImplementedError:
-            reason = "not implemented yet: the notebook carries on with the reference"
-            print(f"⏳ {label}: {reason}")
-            return CheckResult(name, "not implemented", reason, yours, reference)
+            status, reason = "not implemented", "not implemented yet: the notebook carries on " \
+                "with the reference"
         except Mismatch as e:
-            reason = f"{description}: {e}"
-            print(f"❌ {label}: {reason}")
-            return CheckResult(name, "failed", reason, yours, reference)
+            status, reason = "failed", f"{description}: {e}"
         except Exception as e:
-            reason = f"{description}: your function raised {type(e).__name__}: {e}"
-            print(f"❌ {label}: {reason}")
-            return CheckResult(name, "failed", reason, yours, reference)
-    print(f"✅ {label}: passed {len(cases)} cases")
-    return CheckResult(name, "passed", "", yours, reference)
+            status, reason = "failed", \
+                f"{description}: your function raised {type(e).__name__}: {e}"
+        if status != "passed":
+            break
+    icon = {"passed": "✅", "failed": "❌", "not implemented": "⏳"}[status]
+    print(f"{icon} {label}: " + (reason or f"passed {len(cases)} cases"))
+    record_check(name, status, reason)
+    return CheckResult(name, status, reason, yours, reference)
 
 
 def _expect(got, want, what: str, **tol) -> None:

@@ -105,6 +105,12 @@ def build_parser() -> Parser:
     scen.add_argument("--fixed", action="store_true", help="run the fix instead of the bug")
 
     sub.add_parser("reliability", help="run every scenario, fault, bad input and resume check")
+    grade = sub.add_parser("grade", help="grade submitted notebooks with the exercise checkers")
+    grade.add_argument("notebooks", nargs="+", help="submitted .ipynb files")
+    grade.add_argument("--json", default=None, help="write the records as JSON here")
+    grade.add_argument("--csv", default=None, help="write the records as CSV here")
+    grade.add_argument("--cell-timeout", type=int, default=300,
+                       help="seconds a cell may run before the submission counts as hung")
     labs = sub.add_parser("labs", help="generate labs/ from solutions/ (student versions)")
     labs.add_argument("--check", action="store_true", help="exit 1 when labs/ is out of sync")
     nbs = sub.add_parser("notebooks", help="execute solutions/ notebooks and store outputs")
@@ -253,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "scenario":
             return cmd_scenario(args)
+        if args.command == "grade":
+            if args.cell_timeout < 1:
+                raise UsageError(f"--cell-timeout must be >= 1 second (got {args.cell_timeout})")
+            from .grade import main as grade
+
+            return grade(args.notebooks, args.json, args.csv, args.cell_timeout)
         if args.command == "labs":
             from .labs import main as labs
 
