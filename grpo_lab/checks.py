@@ -325,3 +325,37 @@ def check_first_nonfinite_step(fn: Callable) -> CheckResult:
                                         "the first bad step (a spike is not yet corruption)")),
         ("an eval-only row at step 0", case(with_eval, "the first bad step")),
     ])
+
+
+# --- 07 --------------------------------------------------------------------------------------
+def check_nonfinite_params(fn: Callable) -> CheckResult:
+    from .health import nonfinite_params
+
+    def model_with(values: dict[str, float]) -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        with torch.no_grad():
+            for i, (where, value) in enumerate(values.items()):
+                p = dict(model.named_parameters())[where]
+                p.view(-1)[i] = value
+        return model
+
+    def case(values, what):
+        def run(f):
+            model = model_with(values)
+            got = f(model)
+            want = nonfinite_params(model)
+            if isinstance(got, bool):
+                raise Mismatch(f"{what}: return the number of NaN/inf entries, not a bool")
+            n_nan = sum(1 for v in values.values() if v != v)
+            if got == n_nan != want:
+                raise Mismatch(f"{what}: you counted NaN but not inf (use torch.isfinite)")
+            _expect(got, want, f"{what}: the count")
+        return run
+
+    inf, nan = float("inf"), float("nan")
+    return run_check("nonfinite_params", fn, nonfinite_params, [
+        ("a healthy model", case({}, "a healthy model")),
+        ("one NaN weight", case({"0.weight": nan}, "one NaN")),
+        ("NaN and inf in different layers",
+         case({"0.weight": nan, "1.bias": inf, "1.weight": -inf}, "NaN and +-inf")),
+    ])

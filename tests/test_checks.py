@@ -17,6 +17,7 @@ REFERENCES = {
     checks.check_token_weights: objective.token_weights,
     checks.check_addition_reward: addition_reward,
     checks.check_first_nonfinite_step: checks.reference_first_nonfinite_step,
+    checks.check_nonfinite_params: __import__("grpo_lab.health").health.nonfinite_params,
 }
 
 
@@ -79,6 +80,10 @@ def _first_spike(history):
                  or m.get("grad_norm", 0) != m.get("grad_norm", 0)), None)
 
 
+def _nan_only(model):
+    return sum(int(p.isnan().sum()) for p in model.parameters())
+
+
 BUGS = [
     (checks.check_group_advantages, _no_eps, "NaN when every reward in a group is equal"),
     (checks.check_group_advantages, _batch_mean, "group's own mean"),
@@ -90,6 +95,7 @@ BUGS = [
     (checks.check_token_weights, _per_micro_batch_bnpo, "weights"),
     (checks.check_addition_reward, _no_strip, "spaces"),
     (checks.check_first_nonfinite_step, _first_spike, "spike"),
+    (checks.check_nonfinite_params, _nan_only, "inf"),
 ]
 
 
