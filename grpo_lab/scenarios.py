@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 import tempfile
@@ -249,6 +250,7 @@ def static_check(fixed: bool) -> Outcome:
             [sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache",
              "--output-format", "concise", str(path)],
             capture_output=True, text=True,
+            env={**os.environ, "NO_COLOR": "1"},  # Jupyter kernels set FORCE_COLOR
         )
         found = [line.split(": ", 1)[1] for line in ruff.stdout.splitlines() if ": F" in line]
     namespace: dict = {}
