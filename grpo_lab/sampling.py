@@ -29,7 +29,8 @@ class SanitizeLogits(LogitsProcessor):
         if not bad.any():
             return scores
         n_nan = int(torch.isnan(scores).sum())
-        scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(scores.dtype).max)
+        scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(scores.dtype).max,
+                                  neginf=float("-inf"))  # -inf (top-k's "excluded") stays
         dead = ~torch.isfinite(scores).any(-1)
         if dead.any():
             raise SamplingError(
