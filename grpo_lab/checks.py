@@ -359,3 +359,165 @@ def check_nonfinite_params(fn: Callable) -> CheckResult:
         ("NaN and inf in different layers",
          case({"0.weight": nan, "1.bias": inf, "1.weight": -inf}, "NaN and +-inf")),
     ])
+
+
+# --- 08 --------------------------------------------------------------------------------------
+def check_micro_batch_slices(fn: Callable) -> CheckResult:
+    from .trainer import micro_batches
+
+    def same_split(n, k):
+        def case(f):
+            got = f(n, k)
+            if isinstance(got, (list, tuple)) and all(isinstance(s, slice) for s in got):
+                sizes = [len(range(n)[s]) for s in got]
+                rows = [i for s in got for i in range(n)[s]]
+                if 0 in sizes:
+                    raise Mismatch(f"{n} rows, k={k}: a micro-batch is empty (sizes {sizes})")
+                if sizes and max(sizes) - min(sizes) > 1:
+                    raise Mismatch(f"{n} rows, k={k}: sizes {sizes} differ by more than 1")
+                if rows != list(range(n)):
+                    raise Mismatch(f"{n} rows, k={k}: your slices cover rows {rows}, expected "
+                                   f"0..{n - 1} once each, in order")
+            _expect(list(got) if isinstance(got, tuple) else got, micro_batches(n, k),
+                    f"the slices for {n} rows, k={k}")
+        return case
+
+    def refuses(n, k):
+        def case(f):
+            try:
+                got = f(n, k)
+            except ValueError:
+                return
+            raise Mismatch(f"micro_batch_slices({n}, {k}) returned {got}; it must raise "
+                           "ValueError (a micro-batch would be empty: report 004)")
+        return case
+
+    return run_check("micro_batch_slices", fn, micro_batches, [
+        ("16 rows into 3 (sizes 6, 5, 5)", same_split(16, 3)),
+        ("64 rows into 4", same_split(64, 4)),
+        ("k = 1: the whole batch", same_split(5, 1)),
+        ("k = n_rows: one row each", same_split(4, 4)),
+        ("1 row into 4 micro-batches (report 004)", refuses(1, 4)),
+        ("k = 0", refuses(3, 0)),
+    ])
+
+
+# --- 09 --------------------------------------------------------------------------------------
+def check_exact_kl(fn: Callable) -> CheckResult:
+    ref = objective.exact_kl
+
+    def same_kl(logits, ref_logits, what):
+        def case(f):
+            got = f(logits.clone(), ref_logits.clone())
+            want, swapped = ref(logits, ref_logits), ref(ref_logits, logits)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                if not torch.isfinite(got).all() and torch.isfinite(want).all():
+                    raise Mismatch(f"{what}: your KL is not finite; normalise with log_softmax, "
+                                   "not log(softmax) or exp() of the raw logits")
+                if _close(got, swapped) and not _close(got, want):
+                    raise Mismatch(f"{what}: you computed KL(q || p); the expectation is over "
+                                   "the policy p = softmax(logits)")
+            _expect(got, want, f"{what}: the KL")
+        return case
+
+    g = _gen(0)
+    a, b = torch.randn(3, 4, 7, generator=g), torch.randn(3, 4, 7, generator=g)
+    return run_check("exact_kl", fn, ref, [
+        ("random (3, 4, 7) logits", same_kl(a, b, "random logits")),
+        ("a single distribution of shape (V,)", same_kl(a[0, 0], b[0, 0], "shape (7,)")),
+        ("identical logits give 0", same_kl(a, a, "identical logits")),
+        ("logits shifted by a constant are the same distribution",
+         same_kl(a, a + 5.0, "shifted")),
+        ("logits of size 1000", same_kl(a * 1000, b * 1000, "huge logits")),
+    ])
+
+
+def check_kl_k2(fn: Callable) -> CheckResult:
+    ref = objective.kl_k2
+
+    def same_k2(logp, ref_logp, what):
+        def case(f):
+            got = f(logp.clone(), ref_logp.clone())
+            want = ref(logp, ref_logp)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and _close(
+                got, 2 * want
+            ) and not _close(want, torch.zeros_like(want)):
+                raise Mismatch(f"{what}: yours is twice k2; k2 = (log r)^2 / 2")
+            _expect(got, want, f"{what}: k2")
+        return case
+
+    g = _gen(1)
+    logp, ref_logp = -torch.rand(4, 5, generator=g) * 3, -torch.rand(4, 5, generator=g) * 3
+    return run_check("kl_k2", fn, ref, [
+        ("random log-probs", same_k2(logp, ref_logp, "random log-probs")),
+        ("identical policies give 0", same_k2(logp, logp, "identical policies")),
+    ])
+
+
+# --- 10 --------------------------------------------------------------------------------------
+def reference_sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The package's SanitizeLogits as a function of the logits alone, raising ValueError."""
+    from .sampling import SamplingError, SanitizeLogits
+
+    try:
+        return SanitizeLogits()(torch.zeros(logits.shape[0], 0, dtype=torch.long), logits)
+    except SamplingError as e:
+        raise ValueError(str(e)) from None
+
+
+def check_sanitize_logits(fn: Callable) -> CheckResult:
+    ref = reference_sanitize_logits
+
+    def same(scores, what):
+        def case(f):
+            _expect(f(scores.clone()), ref(scores), what)
+        return case
+
+    def refuses(scores, what):
+        def case(f):
+            try:
+                f(scores.clone())
+            except ValueError:
+                return
+            raise Mismatch(f"{what}: no ValueError; a row of NaN cannot be sampled from")
+        return case
+
+    nan, inf = float("nan"), float("inf")
+    return run_check("sanitize_logits", fn, ref, [
+        ("finite logits pass unchanged", same(torch.randn(3, 6, generator=_gen(0)), "finite")),
+        ("NaN becomes -inf",
+         same(torch.tensor([[1.0, nan, 0.5, nan], [0.0, 1.0, 2.0, 3.0]]), "logits with NaN")),
+        ("+inf becomes the largest float32", same(torch.tensor([[2.0, inf, -1.0]]), "+inf")),
+        ("float16: +inf becomes float16's largest",
+         same(torch.tensor([[inf, 0.0, 1.0]], dtype=torch.float16), "float16 logits")),
+        ("a row of NaN must raise ValueError",
+         refuses(torch.tensor([[0.0, 1.0, 2.0], [nan, nan, nan]]), "a row of NaN")),
+    ])
+
+
+def check_completion_mask_from_ids(fn: Callable) -> CheckResult:
+    from .sampling import completion_mask_from_ids
+
+    def same_mask(ids, eos, what):
+        def case(f):
+            got = f(ids.clone(), eos)
+            want = completion_mask_from_ids(ids, eos)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                first = (ids == eos) & (want == 1)
+                if (got[first] == 0).any():
+                    raise Mismatch(f"{what}: your mask drops the first EOS; keep it (the model "
+                                   "must learn to stop)")
+            _expect(got, want, f"{what}: the mask for ids {ids.tolist()}")
+        return case
+
+    return run_check("completion_mask_from_ids", fn, completion_mask_from_ids, [
+        ("no EOS: every token counts", same_mask(torch.tensor([[5, 6, 7], [8, 9, 10]]), 0,
+                                                 "no EOS")),
+        ("EOS kept, padding after it dropped",
+         same_mask(torch.tensor([[5, 6, 0, 1, 1], [7, 0, 1, 1, 1], [0, 1, 1, 1, 1]]), 0,
+                   "EOS then pad")),
+        ("a later EOS does not count again",
+         same_mask(torch.tensor([[5, 0, 0, 0], [0, 5, 0, 5]]), 0, "repeated EOS")),
+        ("another EOS id (GPT-2's 50256)",
+         same_mask(torch.tensor([[464, 50256, 50256], [464, 318, 50256]]), 50256, "eos 50256")),
+    ])

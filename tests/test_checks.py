@@ -2,10 +2,13 @@
 on, an unwritten exercise reports 'not implemented yet' and hands back the reference."""
 
 import pytest
+import torch
 
 from grpo_lab import bugs, checks, objective
 from grpo_lab.models import count_parameters
+from grpo_lab.sampling import completion_mask_from_ids
 from grpo_lab.tasks import addition_reward
+from grpo_lab.trainer import micro_batches
 
 REFERENCES = {
     checks.check_count_parameters: count_parameters,
@@ -18,6 +21,11 @@ REFERENCES = {
     checks.check_addition_reward: addition_reward,
     checks.check_first_nonfinite_step: checks.reference_first_nonfinite_step,
     checks.check_nonfinite_params: __import__("grpo_lab.health").health.nonfinite_params,
+    checks.check_micro_batch_slices: micro_batches,
+    checks.check_exact_kl: objective.exact_kl,
+    checks.check_kl_k2: objective.kl_k2,
+    checks.check_sanitize_logits: checks.reference_sanitize_logits,
+    checks.check_completion_mask_from_ids: completion_mask_from_ids,
 }
 
 
@@ -84,6 +92,27 @@ def _nan_only(model):
     return sum(int(p.isnan().sum()) for p in model.parameters())
 
 
+def _floor_chunks(n_rows, k):  # report 004: n // k rows per chunk
+    size = n_rows // k
+    return [slice(i * size, (i + 1) * size) for i in range(k)]
+
+
+def _reverse_kl(logits, ref_logits):
+    return objective.exact_kl(ref_logits, logits)
+
+
+def _k2_no_half(logp, ref_logp):
+    return (ref_logp - logp) ** 2
+
+
+def _nan_to_zero(logits):
+    return torch.nan_to_num(logits, nan=0.0)
+
+
+def _mask_without_eos(ids, eos):
+    return ((ids == eos).long().cumsum(-1) == 0).long()
+
+
 BUGS = [
     (checks.check_group_advantages, _no_eps, "NaN when every reward in a group is equal"),
     (checks.check_group_advantages, _batch_mean, "group's own mean"),
@@ -96,6 +125,11 @@ BUGS = [
     (checks.check_addition_reward, _no_strip, "spaces"),
     (checks.check_first_nonfinite_step, _first_spike, "spike"),
     (checks.check_nonfinite_params, _nan_only, "inf"),
+    (checks.check_micro_batch_slices, _floor_chunks, "once each"),
+    (checks.check_exact_kl, _reverse_kl, "KL(q || p)"),
+    (checks.check_kl_k2, _k2_no_half, "twice k2"),
+    (checks.check_sanitize_logits, _nan_to_zero, "NaN"),
+    (checks.check_completion_mask_from_ids, _mask_without_eos, "drops the first EOS"),
 ]
 
 
