@@ -46,8 +46,11 @@ def record_check(exercise: str, status: str, reason: str) -> None:
 
 
 def expected_exercises(notebook: Path) -> list[str]:
-    """The checks in the solution notebook of the same name, in order."""
+    """The checks in the solution notebook of the same name, in order (only names that
+    are exercise checkers in grpo_lab.checks: `sampling.check_token_ids` is not one)."""
     import nbformat
+
+    from . import checks
 
     solution = SOLUTIONS / notebook.name
     if not solution.exists():
@@ -56,7 +59,7 @@ def expected_exercises(notebook: Path) -> list[str]:
     for cell in nbformat.read(solution, as_version=4).cells:
         if cell.cell_type == "code":
             for name in CHECK_CALL.findall(cell.source):
-                if name not in names:
+                if hasattr(checks, f"check_{name}") and name not in names:
                     names.append(name)
     return names
 

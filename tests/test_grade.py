@@ -82,3 +82,10 @@ def test_an_unreadable_submission_does_not_stop_the_others(tmp_path, solutions, 
     assert [r["points"] for r in rows] == [0, 0, 1, 1]
     assert "could not run" in rows[0]["reason"]
     assert f"total {fine}: 2/2" in capsys.readouterr().out
+
+
+def test_only_exercise_checkers_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(grade, "SOLUTIONS", tmp_path)
+    notebook(tmp_path / "s.ipynb", GOOD, CHECK_ADV,
+             "from grpo_lab.sampling import check_token_ids\ncheck_token_ids(ids, 15)")
+    assert grade.expected_exercises(tmp_path / "s.ipynb") == ["group_advantages"]
