@@ -24,10 +24,9 @@ def constant_clip_surrogate(
     gradient grows with the ratio without bound: nothing is clipped where it matters.
     Same signature and return as `objective.clipped_surrogate`.
     """
-    log_ratio = logp - baseline_logp
-    if log_ratio_clamp is not None:
-        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
+    from .objective import ratio_from_logprobs
+
+    ratio = ratio_from_logprobs(logp, baseline_logp, log_ratio_clamp)
     adv = advantages.unsqueeze(-1)  # (B, 1)
     per_token_loss = -torch.min(ratio * adv, epsilon_low * adv)
     region_clipped = (ratio > epsilon_low) & (adv > 0)

@@ -14,7 +14,7 @@ import types
 import typing
 from pathlib import Path
 
-from .config import PRESETS, ConfigError, GRPOConfig, preset
+from .config import CHECKPOINT, METRICS, PRESETS, ConfigError, GRPOConfig, preset
 
 # config fields that are not flags: set by other means or not meant for the command line
 NOT_FLAGS = {"extra", "seed", "steps"}
@@ -143,9 +143,6 @@ def _config_from_args(args) -> GRPOConfig:
     if args.steps is not None:
         overrides["steps"] = args.steps
     return preset(args.preset, **overrides)
-
-
-CHECKPOINT, METRICS = "checkpoint.pt", "metrics.jsonl"  # trainer.py's names, without torch
 
 
 def cmd_train(args) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
+CHECKPOINT, METRICS = "checkpoint.pt", "metrics.jsonl"  # the files of a run directory
 AMP_MODES = ("none", "bf16", "fp16")
 PROFILES = ("cpu", "gpu")
 

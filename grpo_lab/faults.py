@@ -161,7 +161,8 @@ FAULTS: dict[str, Callable] = {
 
 def run_fault(name: str, preset_name: str, **overrides) -> FaultResult:
     """Train STEPS steps with the fault injected at step INJECT_AT; report what happened."""
-    from .trainer import CHECKPOINT, Trainer
+    from .config import CHECKPOINT
+    from .trainer import Trainer
 
     if preset_name == "stable":
         overrides.setdefault("reward_timeout", 2.0)

@@ -124,6 +124,17 @@ def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
+def ratio_from_logprobs(
+    logp: torch.Tensor, old_logp: torch.Tensor, log_ratio_clamp: float | None = None
+) -> torch.Tensor:
+    """(B, C), (B, C) -> (B, C) r = exp(logp - old_logp), the log-ratio optionally clamped
+    to [-c, c] first so exp() cannot overflow."""
+    log_ratio = logp - old_logp
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    return torch.exp(log_ratio)
+
+
 def clipped_surrogate(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -137,10 +148,7 @@ def clipped_surrogate(
 
     loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(logp - old_logp).
     """
-    log_ratio = logp - old_logp
-    if log_ratio_clamp is not None:
-        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
+    ratio = ratio_from_logprobs(logp, old_logp, log_ratio_clamp)
     adv = advantages.unsqueeze(-1)  # (B, 1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv

@@ -92,6 +92,7 @@ class LivePlot:
         self.every, self.title = every, title
         self.history: list[dict] = []
         self.handle = None
+        self.drawn_step: int | None = None
         self.notebook = in_notebook()
 
     def __call__(self, metrics: dict) -> None:
@@ -100,7 +101,7 @@ class LivePlot:
             self.draw()
 
     def draw(self) -> None:
-        if not self.history or self.history[-1]["step"] == getattr(self, "drawn_step", None):
+        if not self.history or self.history[-1]["step"] == self.drawn_step:
             return
         self.drawn_step = self.history[-1]["step"]
         if not self.notebook:

@@ -121,10 +121,7 @@ RESUME_CONFIGS = [
 
 def check_resumes(log) -> tuple[int, int]:
     from .config import preset
-    from .trainer import Trainer, read_metrics
-
-    def strip(ms):
-        return [{k: v for k, v in m.items() if k != "step_time"} for m in ms]
+    from .trainer import Trainer, read_metrics, without_timing
 
     ok = 0
     for overrides in RESUME_CONFIGS:
@@ -145,7 +142,7 @@ def check_resumes(log) -> tuple[int, int]:
             resumed = Trainer(cfg, out_dir=part)
             resumed.load_checkpoint()
             resumed.train(progress=False)
-            good = strip(read_metrics(whole)) == strip(read_metrics(part))
+            good = without_timing(read_metrics(whole)) == without_timing(read_metrics(part))
         ok += good
         log(f"  {'ok  ' if good else 'FAIL'} resume {json.dumps(overrides)}: crash after step 5, "
             f"resume from step 3, metrics {'identical' if good else 'DIFFER'}")

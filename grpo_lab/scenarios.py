@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import subprocess
 import sys
@@ -278,7 +279,7 @@ def naive_run(fixed: bool) -> Outcome:
         except RuntimeError as e:
             err = f"{type(e).__name__}: {e}"
     norms = [m["grad_norm"] for m in trainer.history if "grad_norm" in m]
-    finite = [g for g in norms if g == g and g != float("inf")]
+    finite = [g for g in norms if math.isfinite(g)]
     bad = next((m["step"] for m in trainer.history if m.get("nonfinite_params")), None)
     text = (f"{name}: max grad_norm {max(finite):.3g}, first non-finite step {bad}, "
             f"{'crash at step ' + str(trainer.step_count + 1) + ': ' + err if err else 'no crash'}")
@@ -318,7 +319,7 @@ def log_ratio_overflow(fixed: bool) -> Outcome:
     summed = float((seq_logp - seq_base)[0, 0].detach())
     ratio = torch.exp(torch.tensor(min(summed, 10.0) if fixed else summed))
     grad = logp.grad.abs().max().item()
-    finite = bool(torch.isfinite(loss).all()) and grad == grad and grad != float("inf")
+    finite = bool(torch.isfinite(loss).all()) and math.isfinite(grad)
     return Outcome(not finite, f"summed log-ratio {summed:.1f} -> "
                                f"ratio {float(ratio):.3g}, loss {loss.sum().item():.3g}, "
                                f"max |grad| {grad:.3g}")

@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 from . import bugs
-from .config import ConfigError, GRPOConfig
+from .config import CHECKPOINT, METRICS, ConfigError, GRPOConfig
 from .health import (
     Snapshot,
     first_nonfinite_grad,
     first_nonfinite_param,
-    nonfinite_count,
     nonfinite_params,
 )
 from .models import disable_dropout, frozen_copy, load_policy, resolve_device
@@ -56,8 +55,6 @@ from .tasks import (
     make_problem,
 )
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
 SPIKE_WINDOW = 20  # recent finite grad norms the spike rule takes its median over
 
 
@@ -477,6 +474,12 @@ def to_json_line(m: dict) -> str:
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
+def without_timing(metrics: list[dict]) -> list[dict]:
+    """The metrics minus step_time: what must be identical between a resumed run and an
+    uninterrupted one (wall time never is)."""
+    return [{k: v for k, v in m.items() if k != "step_time"} for m in metrics]
+
+
 def read_metrics(out_dir: str | Path) -> list[dict]:
     """The metrics of a run; null (a non-finite value) reads back as NaN. A last line cut
     short by a kill mid-write is dropped: that step is redone on resume."""
@@ -492,7 +495,3 @@ def read_metrics(out_dir: str | Path) -> list[dict]:
             raise
         out.append({k: (math.nan if v is None else v) for k, v in m.items()})
     return out
-
-
-def count_nonfinite_grads(model: torch.nn.Module) -> int:
-    return nonfinite_count(p.grad for p in model.parameters())

@@ -10,7 +10,7 @@ from grpo_lab.config import LOSS_TYPES, preset
 from grpo_lab.models import frozen_copy
 from grpo_lab.objective import completion_logprobs
 from grpo_lab.sampling import sample_group
-from grpo_lab.trainer import Trainer, micro_batches, read_metrics
+from grpo_lab.trainer import Trainer, micro_batches, read_metrics, without_timing
 
 
 def _grads(model):
@@ -117,10 +117,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert resumed.step_count == 3
     resumed.train(progress=False)
 
-    def strip(ms):
-        return [{k: v for k, v in m.items() if k != "step_time"} for m in ms]
-
-    a, b = strip(read_metrics(tmp_path / "full")), strip(read_metrics(tmp_path / "part"))
+    a = without_timing(read_metrics(tmp_path / "full"))
+    b = without_timing(read_metrics(tmp_path / "part"))
     assert [m["step"] for m in b] == list(range(7))
     assert a == b
 
