@@ -77,6 +77,9 @@ class GRPOConfig:
     """split each step's batch into this many micro-batches; the gradient is identical"""
     amp: str = "none"
     """mixed precision for the training forward: 'none', 'bf16', or 'fp16' (GradScaler)"""
+    gradient_checkpointing: bool = False
+    """recompute each block's activations in the backward pass instead of keeping them:
+    less memory for about one more forward per micro-batch; gradients are unchanged"""
 
     # --- the field reports' mistakes (naive preset) ---------------------------------------
     ratio_against: str = "old"
@@ -213,7 +216,7 @@ def validate(cfg: GRPOConfig) -> None:
     if cfg.profile is not None and cfg.profile not in PROFILES:
         _fail("profile", "None (automatic) or one of 'cpu', 'gpu'", cfg.profile)
     for name in ("skip_nonfinite_grad", "health_check", "safe_sampling", "scale_rewards",
-                 "check_rewards"):
+                 "check_rewards", "gradient_checkpointing"):
         if not isinstance(getattr(cfg, name), bool):
             _fail(name, "True or False", getattr(cfg, name))
     batch = cfg.prompts_per_step * cfg.group_size

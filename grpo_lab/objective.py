@@ -42,7 +42,8 @@ def completion_logits(
     tokens, i.e. the logits the sampler drew each completion token from."""
     position_ids = position_ids_from_mask(attention_mask)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=False,  # one full forward: a KV cache would only cost memory
     ).logits  # (B, T, V)
     logits = logits[:, -completion_length - 1 : -1, :] / temperature  # (B, C, V)
     if logit_clamp is not None:

@@ -120,6 +120,9 @@ class Trainer:
                 f"{cfg.max_new_tokens})"
             )
         self.policy = disable_dropout(model.to(self.device)).train()
+        if cfg.gradient_checkpointing:
+            # only active in train mode: generate() runs in eval mode, with its KV cache
+            self.policy.activation_checkpointing_enable({"use_reentrant": False})
         self.tokenizer = tokenizer
         # the reference is the starting policy, frozen: KL and (naive) the ratio use it
         needs_ref = cfg.beta > 0 or cfg.ratio_against == "reference"
