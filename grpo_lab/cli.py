@@ -178,32 +178,48 @@ def cmd_train(args) -> int:
             )
 
     # torch and transformers load only now, so a bad flag is answered at once
+    from . import distributed
     from .plots import plot_run
     from .trainer import Trainer
 
+    problem = distributed.launch_problem(cfg.device)
+    if problem:
+        raise UsageError(problem)
     try:
         trainer = Trainer(cfg, out_dir=out)
-        out.mkdir(parents=True, exist_ok=True)
+        main_rank = trainer.world.is_main
+        if main_rank:
+            out.mkdir(parents=True, exist_ok=True)
         if args.resume:
             trainer.load_checkpoint()
-            print(f"[grpo_lab] resuming {out} at step {trainer.step_count} of {cfg.steps}")
-        else:
+            if main_rank:
+                print(f"[grpo_lab] resuming {out} at step {trainer.step_count} of {cfg.steps}")
+        elif main_rank:
             (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     except (ConfigError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     except Exception as e:
         print(f"error while setting up the run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    if trainer.world.distributed and main_rank:
+        print(f"[grpo_lab] data-parallel: {trainer.world.world_size} processes, "
+              f"{cfg.prompts_per_step // trainer.world.world_size} prompts each per step")
     plot_path = out / "metrics.png"
     try:
         trainer.train(progress=not args.no_progress)
     except Exception as e:
         print(f"\nerror at step {trainer.step_count + 1}: {type(e).__name__}: {e}",
               file=sys.stderr)
-        print("diagnosis:\n  " + trainer.diagnosis().replace("\n", "\n  "), file=sys.stderr)
-        plot_run(trainer.history, plot_path, title=f"{args.preset} (crashed)")
-        print(f"metrics: {out / METRICS}  plot: {plot_path}", file=sys.stderr)
+        if main_rank:
+            print("diagnosis:\n  " + trainer.diagnosis().replace("\n", "\n  "),
+                  file=sys.stderr)
+            plot_run(trainer.history, plot_path, title=f"{args.preset} (crashed)")
+            print(f"metrics: {out / METRICS}  plot: {plot_path}", file=sys.stderr)
         return 1
+    finally:
+        trainer.close()
+    if not main_rank:
+        return 0
     plot_run(trainer.history, plot_path, title=args.preset)
     evals = [m["eval/accuracy"] for m in trainer.history if "eval/accuracy" in m]
     print(

@@ -161,7 +161,11 @@ def clipped_surrogate(
 
 
 def token_weights(
-    completion_mask: torch.Tensor, loss_type: str, max_completion_length: int
+    completion_mask: torch.Tensor,
+    loss_type: str,
+    max_completion_length: int,
+    n_sequences: int | None = None,
+    n_tokens: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """(B, C) mask of the *whole* batch -> (B, C) weights w with loss = sum(L * w).
 
@@ -175,14 +179,16 @@ def token_weights(
 
     Computing the weights once on the whole batch and slicing them per micro-batch is
     what makes gradient accumulation equal to the full-batch gradient, whatever the
-    micro-batches' token counts.
+    micro-batches' token counts. Under DDP the mask is one rank's share and n_sequences,
+    n_tokens give the global batch's rows and completion tokens (default: this mask's).
     """
     mask = completion_mask.float()
-    n_seq = mask.shape[0]
+    n_seq = mask.shape[0] if n_sequences is None else n_sequences
+    total_tokens = mask.sum() if n_tokens is None else torch.as_tensor(n_tokens).to(mask)
     if loss_type == "grpo":
         return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / n_seq
     if loss_type in ("bnpo", "dapo"):
-        return mask / mask.sum().clamp(min=1.0)
+        return mask / total_tokens.clamp(min=1.0)
     if loss_type == "dr_grpo":
         return mask / (n_seq * max_completion_length)
     raise ValueError(f"loss_type must be one of grpo, dr_grpo, bnpo, dapo (got {loss_type!r})")

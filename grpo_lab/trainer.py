@@ -8,10 +8,12 @@
     check parameter health and roll back to the last healthy snapshot
 
 Every step returns (and the CLI writes) one dict of metrics named as in TRL.
+Under `torchrun` / `accelerate launch` the same code runs data-parallel (see distributed.py).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import bugs
+from . import bugs, distributed
 from .config import CHECKPOINT, METRICS, ConfigError, GRPOConfig
 from .health import (
     Snapshot,
@@ -103,8 +105,16 @@ class Trainer:
         out_dir: str | Path | None = None,
     ):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        torch.manual_seed(cfg.seed)
+        world_size = distributed.world_from_env().world_size
+        if cfg.prompts_per_step % world_size:
+            raise ConfigError(
+                f"GRPOConfig.prompts_per_step must be divisible by the number of processes "
+                f"({world_size}) so each rank gets whole groups (got {cfg.prompts_per_step})"
+            )
+        self.world, rank_device = distributed.setup(cfg.device)
+        self.device = rank_device or resolve_device(cfg.device)
+        # ranks sample different completions; prompts come from the shared stream below
+        torch.manual_seed(cfg.seed + self.world.rank)
         random.seed(cfg.seed)
         if model is None:
             model, tokenizer = load_policy(cfg.profile, cfg.model_path)
@@ -127,6 +137,13 @@ class Trainer:
         # the reference is the starting policy, frozen: KL and (naive) the ratio use it
         needs_ref = cfg.beta > 0 or cfg.ratio_against == "reference"
         self.reference = frozen_copy(self.policy) if needs_ref else None
+        # the module the training forward runs through: DDP all-reduces gradients in
+        # backward(); generation and no-grad forwards use the bare policy
+        self.model = self.policy
+        if self.world.distributed:
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.policy, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
         )
@@ -154,7 +171,10 @@ class Trainer:
         """Sample, score, and compute everything the loss needs that does not change
         during the update: advantages, sampling-time and reference log-probs, weights."""
         cfg = self.cfg
-        problems = self.stream.sample(cfg.prompts_per_step)
+        # every rank draws the same global prompts and keeps its share
+        problems = self.stream.sample(cfg.prompts_per_step)[
+            distributed.shard(cfg.prompts_per_step, self.world)
+        ]
         rollout = sample_group(
             self.policy, self.tokenizer, [p.prompt for p in problems], cfg.group_size,
             cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, safe=cfg.safe_sampling,
@@ -189,8 +209,16 @@ class Trainer:
                 )
         return StepBatch(
             rollout=rollout, rewards=rewards, advantages=advantages, ref_logp=ref_logp,
-            old_logp=old_logp,
-            weights=token_weights(rollout.completion_mask, cfg.loss_type, cfg.max_new_tokens),
+            old_logp=old_logp, weights=self.batch_weights(rollout.completion_mask),
+        )
+
+    def batch_weights(self, completion_mask: torch.Tensor) -> torch.Tensor:
+        """(B, C) -> (B, C) token weights normalised over the global batch: this rank's
+        rows times the world size, and the completion tokens summed over ranks."""
+        n_tokens = distributed.all_reduce(completion_mask.sum().float(), self.world)
+        return token_weights(
+            completion_mask, self.cfg.loss_type, self.cfg.max_new_tokens,
+            n_sequences=completion_mask.shape[0] * self.world.world_size, n_tokens=n_tokens,
         )
 
     def backward(self, batch: StepBatch, grad_accum_steps: int | None = None) -> dict:
@@ -209,10 +237,13 @@ class Trainer:
         )
         zero = torch.zeros((), device=self.device)
         stats = {"loss": zero, "kl": zero, "clipped": zero, "entropy": zero, "max_log_ratio": zero}
-        for sl in micro_batches(ids.shape[0], grad_accum_steps or cfg.grad_accum_steps):
-            with self._autocast():
+        slices = micro_batches(ids.shape[0], grad_accum_steps or cfg.grad_accum_steps)
+        for i, sl in enumerate(slices):
+            # DDP all-reduces on the last micro-batch only; the others accumulate locally
+            sync = i == len(slices) - 1 or not self.world.distributed
+            with (nullcontext() if sync else self.model.no_sync()), self._autocast():
                 logits = completion_logits(
-                    self.policy, ids[sl], attn[sl], C, cfg.temperature, cfg.logit_clamp
+                    self.model, ids[sl], attn[sl], C, cfg.temperature, cfg.logit_clamp
                 )  # (b, C, V)
             m = mask[sl].bool()
             # padding positions get equal, finite inputs: nothing there can overflow into
@@ -232,7 +263,10 @@ class Trainer:
                 per_token = per_token + cfg.beta * kl
                 stats["kl"] = stats["kl"] + (kl.detach() * m).sum()
             loss = (per_token * batch.weights[sl]).sum()
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            # DDP averages gradients over ranks; the weights are global, so the sum is wanted
+            scaled = loss * self.world.world_size
+            with nullcontext() if sync else self.model.no_sync():
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             log_ratio = (ratio_logp.detach() - ratio_baseline).abs().masked_fill(~m, 0)
             stats["loss"] = stats["loss"] + loss.detach()
             stats["clipped"] = stats["clipped"] + (region_clipped & m).sum()
@@ -240,39 +274,58 @@ class Trainer:
             stats["max_log_ratio"] = torch.maximum(stats["max_log_ratio"], log_ratio.max())
         return stats
 
+    def update(self, batch: StepBatch) -> tuple[dict, int]:
+        """mu optimizer updates on one sampled batch. Returns the last pass's loss stats
+        and how many updates a safety rule skipped."""
+        skipped = 0
+        for _ in range(self.cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = self.backward(batch)
+            skipped += self._update()
+        return stats, skipped
+
     def step(self) -> dict:
         """One GRPO step: sample and score, then mu optimizer updates on that batch."""
         cfg = self.cfg
         t0 = time.perf_counter()
         batch = self.make_batch()
-        skipped = 0
-        for _ in range(cfg.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            stats = self.backward(batch)
-            skipped += self._update()
+        stats, skipped = self.update(batch)
         self.step_count += 1
         rolled_back = self._check_health()
 
         mask = batch.rollout.completion_mask
-        n_tokens = mask.sum().clamp(min=1)
         group_std = batch.rewards.view(-1, cfg.group_size).std(dim=1)
+        # sums over this rank's rows, then over ranks: the global batch's metrics
+        sums = distributed.all_reduce(torch.stack([
+            batch.rewards.sum(), torch.tensor(float(len(batch.rewards)), device=self.device),
+            group_std.sum(), (group_std == 0).sum().float(),
+            torch.tensor(float(len(group_std)), device=self.device),
+            stats["loss"].float(), stats["kl"].float(), stats["clipped"].float(),
+            stats["entropy"].float(), mask.sum().float(),
+        ]), self.world).tolist()
+        (reward_sum, n_rows, std_sum, n_zero_std, n_groups, loss, kl_sum, clipped, entropy_sum,
+         tokens) = sums
+        n_tokens = max(tokens, 1.0)
+        max_log_ratio = distributed.all_reduce(
+            stats["max_log_ratio"].detach().float().clone(), self.world, distributed.dist.ReduceOp.MAX
+        ).item()
         metrics = {
             "step": self.step_count,
-            "reward": batch.rewards.mean().item(),
-            "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": (group_std == 0).float().mean().item(),
-            "loss": stats["loss"].item(),
-            "kl": (stats["kl"] / n_tokens).item(),
-            "clip_ratio/region_mean": (stats["clipped"] / n_tokens).item(),
+            "reward": reward_sum / n_rows,
+            "reward_std": std_sum / n_groups,
+            "frac_reward_zero_std": n_zero_std / n_groups,
+            "loss": loss,
+            "kl": kl_sum / n_tokens,
+            "clip_ratio/region_mean": clipped / n_tokens,
             "grad_norm": self.last_grad_norm,
-            "entropy": (stats["entropy"] / n_tokens).item(),
-            "completions/mean_length": mask.sum(-1).float().mean().item(),
-            "log_ratio/max_abs": stats["max_log_ratio"].item(),
+            "entropy": entropy_sum / n_tokens,
+            "completions/mean_length": tokens / n_rows,
+            "log_ratio/max_abs": max_log_ratio,
             "skipped": skipped,
             "rolled_back": rolled_back,
             "nonfinite_params": self.last_nonfinite_params,
         }
-        if self._eval_due():
+        if self._eval_due() and self.world.is_main:
             metrics["eval/accuracy"] = self.evaluate()
         metrics["step_time"] = time.perf_counter() - t0
         self.history.append(metrics)
@@ -351,11 +404,12 @@ class Trainer:
 
         total = self.cfg.steps if steps is None else steps
         self.end_step = total
-        if self.step_count == 0 and not self.history:
+        if self.step_count == 0 and not self.history and self.world.is_main:
             start = {"step": 0, "eval/accuracy": self.evaluate(), "nonfinite_params": 0}
             self.history.append(start)
             self._write_metrics(start)
-        bar = tqdm(total=total, initial=self.step_count, disable=not progress, desc="GRPO",
+        bar = tqdm(total=total, initial=self.step_count,
+                   disable=not progress or not self.world.is_main, desc="GRPO",
                    unit="step", dynamic_ncols=True)
         try:
             while self.step_count < total:
@@ -381,7 +435,7 @@ class Trainer:
         return self.step_count == self.end_step or (every > 0 and self.step_count % every == 0)
 
     def _write_metrics(self, m: dict) -> None:
-        if self.out_dir is None:
+        if self.out_dir is None or not self.world.is_main:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / METRICS, "a") as f:
@@ -399,24 +453,35 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "recent_grad_norms": list(self.recent_grad_norms),
             "torch_rng": torch.get_rng_state(),
+            "world_size": self.world.world_size,
+            # each rank samples with its own generator; all of them for an exact resume
+            "rng_per_rank": distributed.gather_objects(self._rank_rng_state(), self.world),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "python_rng": random.getstate(),
             "stream_rng": self.stream.state(),
         }
 
+    def _rank_rng_state(self) -> dict:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Write the checkpoint atomically: a temporary file, fsync, then rename over the
-        old one, so a crash mid-write leaves the previous checkpoint intact."""
+        old one, so a crash mid-write leaves the previous checkpoint intact. Under DDP
+        every rank calls this (the RNG states are gathered) and rank 0 writes."""
         bad = nonfinite_params(self.policy)  # now, after any rollback
         if bad:
             raise RuntimeError(
                 f"refusing to checkpoint step {self.step_count}: {bad} non-finite parameters"
             )
         path = Path(path) if path is not None else self.out_dir / CHECKPOINT
+        state = self.state()
+        if not self.world.is_main:
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            torch.save(self.state(), f)
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -431,9 +496,22 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.world.world_size:
+            raise ConfigError(
+                f"the checkpoint in {path} was written by {saved_world} process(es) and this "
+                f"run has {self.world.world_size}; resume with the same number of processes "
+                f"(--nproc_per_node {saved_world}) to continue it exactly"
+            )
         self.step_count = state["step"]
         self.recent_grad_norms = deque(state["recent_grad_norms"], maxlen=SPIKE_WINDOW)
-        torch.set_rng_state(state["torch_rng"].cpu())
+        if "rng_per_rank" in state:
+            mine = state["rng_per_rank"][self.world.rank]
+            torch.set_rng_state(mine["cpu"].cpu())
+            if mine["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
+        else:  # a checkpoint from before DDP support
+            torch.set_rng_state(state["torch_rng"].cpu())
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
         random.setstate(state["python_rng"])
@@ -443,11 +521,19 @@ class Trainer:
             self.snapshot = Snapshot(self.policy, self.optimizer, self.step_count)
         self.history = [m for m in read_metrics(self.out_dir) if m["step"] <= self.step_count] \
             if self.out_dir is not None and (self.out_dir / METRICS).exists() else []
-        if self.out_dir is not None:  # drop metrics of steps after the checkpoint: they rerun
+        if self.out_dir is not None and self.world.is_main:
+            # drop metrics of steps after the checkpoint: they rerun
             tmp = self.out_dir / (METRICS + ".tmp")
             with open(tmp, "w") as f:
                 f.writelines(to_json_line(m) for m in self.history)
             os.replace(tmp, self.out_dir / METRICS)
+
+    def close(self) -> None:
+        """Leave the process group of a data-parallel run (a no-op in one process)."""
+        if self.world.distributed:
+            self.model = self.policy  # the DDP wrapper must go before its process group
+            gc.collect()
+            distributed.shutdown()
 
     # ---- diagnosis -----------------------------------------------------------------------
     def diagnosis(self) -> str:

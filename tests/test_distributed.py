@@ -1,0 +1,177 @@
+"""Data-parallel training (DDP, gloo on CPU) against one process on the same global batch,
+the launchers (torchrun, accelerate launch) through the CLI, and the launch pitfalls."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import distributed
+from grpo_lab.cli import main
+from grpo_lab.config import ConfigError, preset
+from grpo_lab.trainer import Trainer, read_metrics, without_timing
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SMALL = dict(prompts_per_step=4, group_size=4, eval_size=16, eval_every=0)
+
+
+def launch(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPO_LAB_DIST_TIMEOUT": "120"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    return launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *args])
+
+
+CASES = [  # loss type, micro-batches per rank, mu
+    dict(loss_type="grpo", grad_accum_steps=1, num_iterations=1),
+    dict(loss_type="dr_grpo", grad_accum_steps=2, num_iterations=1),
+    dict(loss_type="bnpo", grad_accum_steps=2, num_iterations=1),
+    dict(loss_type="dapo", grad_accum_steps=1, num_iterations=1),
+    # mu = 2: the second pass's ratio is != 1, so clipping is exercised. Its gradients are
+    # compared; the weights are not, because two Adam steps amplify float32 rounding in
+    # near-zero gradient entries (g / (sqrt(v) + eps)) beyond 1e-5 on either side
+    dict(loss_type="grpo", grad_accum_steps=2, num_iterations=2),
+]
+
+
+def test_two_process_update_equals_one_process_on_the_same_global_batch(tmp_path):
+    torch.set_num_threads(1)
+    cases, expected = [], []
+    for overrides in CASES:
+        cfg = preset("stable", **SMALL, **overrides)
+        # one process, the whole global batch in one micro-batch
+        single = Trainer(cfg.replace(grad_accum_steps=1))
+        initial = {k: v.clone() for k, v in single.policy.state_dict().items()}
+        batch = single.make_batch()
+        cases.append({"config": cfg, "initial_policy": initial, "batch": batch})
+        stats, _ = single.update(batch)
+        expected.append({
+            "loss": stats["loss"].item(),
+            "grads": {n: p.grad.clone() for n, p in single.policy.named_parameters()},
+            "params": {n: p.detach().clone() for n, p in single.policy.named_parameters()},
+        })
+    torch.save(cases, tmp_path / "cases.pt")
+    run = torchrun("tests/ddp_worker.py", str(tmp_path / "cases.pt"), str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for i, (overrides, want) in enumerate(zip(CASES, expected, strict=True)):
+        got = torch.load(tmp_path / f"case{i}.pt", weights_only=False)
+        assert got["weights_match"], f"{overrides}: per-rank token weights differ from global"
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7), overrides
+        moved = 0.0
+        for name, p in want["params"].items():
+            torch.testing.assert_close(got["grads"][name], want["grads"][name],
+                                       rtol=1e-4, atol=1e-7, msg=f"{overrides} grad {name}")
+            if overrides["num_iterations"] > 1:
+                continue
+            diff = (got["params"][name] - p).abs().max().item()
+            assert diff <= 1e-5, f"{overrides}: {name} differs by {diff:.2e} after the update"
+            moved = max(moved, (p - cases[i]["initial_policy"][name]).abs().max().item())
+        if overrides["num_iterations"] == 1:
+            assert moved > 1e-5, "the update did not move the weights: equality proves nothing"
+
+
+TRAIN = ["-m", "grpo_lab", "train", "--preset", "stable", "--no-progress",
+         "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "16",
+         "--checkpoint-every", "2", "--eval-every", "2"]
+
+
+def test_torchrun_run_writes_one_metrics_file_and_resumes_exactly(tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run = torchrun(*TRAIN, "--steps", "4", "--out", str(whole))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "data-parallel: 2 processes, 2 prompts each per step" in run.stdout
+    assert sorted(p.name for p in whole.iterdir()) == [
+        "checkpoint.pt", "config.json", "metrics.jsonl", "metrics.png"]
+    metrics = read_metrics(whole)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]  # rank 0 alone wrote them
+    assert torch.load(whole / "checkpoint.pt", weights_only=False)["world_size"] == 2
+    # config.json is the plain config: the same run config works on 1 or N processes
+    assert "world_size" not in json.loads((whole / "config.json").read_text())
+
+    first = torchrun(*TRAIN, "--steps", "2", "--out", str(part))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = torchrun("-m", "grpo_lab", "train", "--resume", "--steps", "4", "--out",
+                       str(part), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout
+    assert without_timing(read_metrics(part)) == without_timing(metrics)
+
+    # a single process cannot continue a 2-process run exactly: one line, exit 2
+    alone = launch([sys.executable, "-m", "grpo_lab", "train", "--resume", "--steps", "5",
+                    "--out", str(part)])
+    assert alone.returncode == 2
+    assert alone.stderr.strip().count("\n") == 0
+    assert "written by 2 process(es)" in alone.stderr and "--nproc_per_node 2" in alone.stderr
+
+
+def test_accelerate_launch_runs_the_same_trainer(tmp_path):
+    # `--multi_gpu` is accelerate's DDP launcher; with no GPU the trainer falls back to gloo
+    # on CPU. (`--cpu --num_processes 2` would start a single process: accelerate's
+    # multi-CPU mode needs MPI.)
+    run = launch([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                  *TRAIN, "--steps", "2", "--out", str(tmp_path)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "data-parallel: 2 processes" in run.stdout
+    assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
+
+
+def fake_gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_plain_python_on_several_gpus_names_the_launcher(monkeypatch, tmp_path, capsys):
+    fake_gpus(monkeypatch, 4)
+    problem = distributed.launch_problem(None)
+    assert "4 GPUs are visible" in problem
+    assert "torchrun --standalone --nproc_per_node 4 -m grpo_lab train" in problem
+    assert "accelerate launch --multi_gpu --num_processes 4" in problem
+    assert distributed.launch_problem("cuda:0") is None  # one GPU chosen on purpose
+    code = main(["train", "--preset", "stable", "--steps", "1", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "nproc_per_node 4" in err
+    assert not (tmp_path / "r").exists()
+    fake_gpus(monkeypatch, 1)
+    assert distributed.launch_problem(None) is None
+
+
+def test_more_processes_than_gpus_is_refused(monkeypatch):
+    fake_gpus(monkeypatch, 2)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    problem = distributed.launch_problem(None)
+    assert "started 8 processes on this node but only 2 GPU(s)" in problem
+    assert "--nproc_per_node 2" in problem
+    with pytest.raises(ConfigError, match="only 2 GPU"):
+        distributed.setup(None)
+
+
+def test_prompts_must_split_evenly_over_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=r"prompts_per_step must be divisible .* \(2\)"):
+        Trainer(preset("stable", prompts_per_step=3))
+
+
+def test_inconsistent_launcher_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ConfigError, match="RANK=2 and WORLD_SIZE=2"):
+        distributed.world_from_env()
+    monkeypatch.setenv("RANK", "zero")
+    with pytest.raises(ConfigError, match="RANK must be an integer"):
+        distributed.world_from_env()
+
