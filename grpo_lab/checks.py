@@ -11,7 +11,10 @@ An exercise still raising NotImplementedError reports "not implemented yet".
 
 from __future__ import annotations
 
+import contextlib
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +22,7 @@ import torch
 
 from . import objective
 from .grade import record_check
+from .trainer import SPIKE_MIN_HISTORY
 
 
 @dataclass
@@ -324,6 +328,131 @@ def check_first_nonfinite_step(fn: Callable) -> CheckResult:
         ("a spike before the NaN", case(spike_then_nan,
                                         "the first bad step (a spike is not yet corruption)")),
         ("an eval-only row at step 0", case(with_eval, "the first bad step")),
+    ])
+
+
+# --- 06 --------------------------------------------------------------------------------------
+
+
+def reference_clip_grad_norm(grads: list[torch.Tensor],
+                             max_norm: float) -> tuple[list[torch.Tensor], float]:
+    """torch.nn.utils.clip_grad_norm_ as a function of the gradients: (clipped copies, the
+    global norm before clipping). A NaN norm makes the scale NaN, as in torch."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return [g * scale.to(g.dtype) for g in grads], float(norm)
+
+
+def check_clip_grad_norm(fn: Callable) -> CheckResult:
+    ref = reference_clip_grad_norm
+
+    def all_close(xs, ys) -> bool:
+        return all(_close(x, y) for x, y in zip(xs, ys, strict=True))
+
+    def same(grads, max_norm, what):
+        def case(f):
+            got = f([g.clone() for g in grads], max_norm)
+            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], (list, tuple))):
+                raise Mismatch("return (clipped_grads, norm): a list of tensors and the norm "
+                               "before clipping")
+            clipped, norm = list(got[0]), got[1]
+            norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else norm
+            want, want_norm = ref(grads, max_norm)
+            if len(clipped) != len(want):
+                raise Mismatch(f"{what}: {len(clipped)} gradients returned for {len(want)}")
+            for i, (c, w) in enumerate(zip(clipped, want, strict=True)):
+                if not isinstance(c, torch.Tensor) or c.shape != w.shape:
+                    raise Mismatch(f"{what}: clipped gradient {i} has {_shape(c)}, expected "
+                                   f"{_shape(w)}")
+            per_tensor = [ref([g], max_norm)[0][0] for g in grads]
+            by_value = [g.clamp(-max_norm, max_norm) for g in grads]
+            if not all_close(clipped, want):
+                if all_close(clipped, per_tensor):
+                    raise Mismatch(f"{what}: you clipped each tensor to max_norm on its own; "
+                                   "the norm is one global norm over all tensors, "
+                                   "sqrt(sum of their squared norms)")
+                if all_close(clipped, by_value):
+                    raise Mismatch(f"{what}: you clamped each element to [-max_norm, max_norm] "
+                                   "(clip_grad_value_): that changes the gradient's direction; "
+                                   "scale every tensor by one factor instead")
+                if want_norm < max_norm:
+                    raise Mismatch(f"{what}: the norm {want_norm:.3g} is below max_norm "
+                                   f"{max_norm}, so the gradients must come back unchanged (the "
+                                   "scale is min(1, max_norm / (norm + 1e-6)), never above 1)")
+            if isinstance(norm, float) and want_norm > max_norm and math.isclose(
+                norm, max_norm, rel_tol=1e-3
+            ):
+                raise Mismatch(f"{what}: you returned the norm after clipping ({norm:.3g}); "
+                               "return it before clipping (TRL logs that as grad_norm)")
+            _expect(norm, want_norm, f"{what}: the norm before clipping")
+            for i, (c, w) in enumerate(zip(clipped, want, strict=True)):
+                _expect(c, w, f"{what}: clipped gradient {i}")
+        return case
+
+    g = _gen(7)
+    rnd = [torch.randn(4, 3, generator=g) * 5, torch.randn(3, generator=g),
+           torch.randn(2, 2, 2, generator=g)]
+    return run_check("clip_grad_norm", fn, ref, [
+        ("one tensor [6, 8] (norm 10), max_norm 5",
+         same([torch.tensor([6.0, 8.0])], 5.0, "[6, 8]")),
+        ("norms 5, 12, 0: global norm 13, max_norm 5",
+         same([torch.tensor([3.0, 4.0]), torch.tensor([[12.0]]), torch.zeros(3)], 5.0,
+              "global norm 13")),
+        ("a norm below max_norm is left alone",
+         same([torch.tensor([0.3, 0.4]), torch.tensor([1.2])], 5.0, "norm 1.3")),
+        ("random gradients of three shapes, max_norm 1", same(rnd, 1.0, "random")),
+    ])
+
+
+def reference_should_skip(grad_norm: float, recent, factor: float) -> bool:
+    """The trainer's skip rule (Trainer._update with skip_nonfinite_grad and
+    spike_skip_factor): skip a non-finite norm; skip a finite one above factor x the median of
+    the recent norms, once there are SPIKE_MIN_HISTORY of them."""
+    if not math.isfinite(grad_norm):
+        return True
+    return len(recent) >= SPIKE_MIN_HISTORY and grad_norm > factor * statistics.median(recent)
+
+
+def check_should_skip(fn: Callable) -> CheckResult:
+    ref = reference_should_skip
+    steady = [1.1, 0.9, 1.0, 1.2, 0.8, 1.0]
+
+    def same(grad_norm, recent, factor, what, hint=""):
+        def case(f):
+            got = f(grad_norm, type(recent)(recent), factor)
+            as_bool = got
+            if hasattr(got, "item"):  # a one-element torch or numpy bool is fine
+                with contextlib.suppress(ValueError, RuntimeError):
+                    as_bool = got.item()
+            if not isinstance(as_bool, bool):
+                raise Mismatch(f"{what}: return True or False (got {got!r})")
+            want = ref(grad_norm, recent, factor)
+            if as_bool != want:
+                raise Mismatch(f"{what}: you returned {as_bool}, expected {want}" +
+                               (f"; {hint}" if hint else ""))
+        return case
+
+    return run_check("should_skip", fn, ref, [
+        ("a NaN grad norm", same(float("nan"), steady, 20.0, "grad_norm NaN",
+                                 "NaN > x is False for every x, so a comparison never flags it: "
+                                 "check math.isfinite(grad_norm) first (report 000's "
+                                 "`if grad_norm > 10` let the NaN update through)")),
+        ("an inf grad norm", same(float("inf"), steady, 20.0, "grad_norm inf",
+                                  "skip any non-finite norm")),
+        ("a spike 100x the median", same(100.0, steady, 20.0, "grad_norm 100, median 1")),
+        ("3x the median with factor 20 is kept", same(3.0, steady, 20.0, "grad_norm 3, median 1")),
+        ("a larger model: recent norms near 40, a norm of 50 is kept",
+         same(50.0, [38.0, 41.0, 40.0, 45.0, 39.0], 20.0, "grad_norm 50, median 40",
+              "the threshold is factor x the median of the recent norms, not a fixed number: "
+              "a fixed one depends on the model's scale")),
+        ("one earlier spike among the recent norms (a deque)",
+         same(500.0, deque([1.0, 1.0, 1.0, 1.0, 1.0, 1e4]), 20.0, "grad_norm 500, median 1",
+              "use the median: one earlier spike inflates the mean of the recent norms and "
+              "hides the next one")),
+        ("fewer than 5 recent norms: no baseline yet",
+         same(100.0, [1.0, 1.0], 20.0, "grad_norm 100 with 2 recent norms",
+              f"with fewer than {SPIKE_MIN_HISTORY} recent norms there is no baseline: keep "
+              "any finite norm")),
     ])
 
 

@@ -116,6 +116,15 @@ def build_parser() -> Parser:
     nbs = sub.add_parser("notebooks", help="execute solutions/ notebooks and store outputs")
     nbs.add_argument("paths", nargs="*", help="notebooks (default: solutions/*.ipynb)")
 
+    mem = sub.add_parser("memory", help="peak memory of one step against batch, G, completion "
+                                        "length, accumulation and activation checkpointing")
+    mem.add_argument("--quick", action="store_true", help="fewer rows")
+    mem.add_argument("--device", default=None, help="cpu or cuda (default: the profile's)")
+    mem.add_argument("--json", default=None, help="also write the rows as JSON here")
+    bench = sub.add_parser("bench", help="grpo_lab against TRL's GRPOTrainer on the same work")
+    bench.add_argument("args", nargs=argparse.REMAINDER,
+                       help="options of the benchmark (python -m grpo_lab bench -- --help)")
+
     build = sub.add_parser("build-model", help="regenerate the shipped tiny GPT-2")
     build.add_argument("--out", type=Path, default=None)
     return parser
@@ -286,6 +295,15 @@ def main(argv: list[str] | None = None) -> int:
             from .notebooks import main as notebooks
 
             return notebooks(args.paths)
+        if args.command == "memory":
+            from .memory import main as memory
+
+            return memory(["--quick"] * args.quick + ["--device", args.device] * bool(args.device)
+                          + ["--json", args.json] * bool(args.json))
+        if args.command == "bench":
+            from .bench import main as bench
+
+            return bench([a for a in args.args if a != "--"])
         if args.command == "reliability":
             from .reliability import main as reliability
 

@@ -351,6 +351,60 @@ def crash_resume(fixed: bool) -> Outcome:
                           f"metrics for steps {steps}")
 
 
+# --- 003/004: memory pressure -------------------------------------------------------------
+def memory_pressure(fixed: bool) -> Outcome:
+    from . import memory
+
+    broken, fix = memory.oom_configs(device="cpu")
+    cfg = fix if fixed else broken
+    # a fresh process capped at its footprint after loading + 200 MiB (RLIMIT_AS); the
+    # budget sits between the measured peaks, 337 MiB at once and 63 MiB in 8 micro-batches
+    result = memory.capped_step(cfg, memory.OOM_BUDGET_MIB)
+    rows, budget = result["rows"], f"{result['budget_mib']:.0f} MiB allowed"
+    if result["error"]:
+        return Outcome(True, f"one step of {rows} rows ({cfg.prompts_per_step} prompts x "
+                             f"G={cfg.group_size}) at once, {budget}: {result['error']}")
+    err = result["relative_grad_error"]
+    return Outcome(err > 1e-5, f"the same {rows} rows in {cfg.grad_accum_steps} micro-batches, "
+                               f"{budget}: done, peak RSS +{result['peak_mib']:.0f} MiB; "
+                               f"gradient vs all {rows} at once: relative error {err:.1e}")
+
+
+# --- 002: a multi-process run started without its launcher --------------------------------
+def launch_without_launcher(fixed: bool) -> Outcome:
+    """Report 002 started a multi-GPU run with plain `python`. Here a run whose
+    environment says two processes (WORLD_SIZE=2) is started as one process by hand: rank 0
+    waits at the rendezvous for a rank that never comes (a hang, bounded here by a short
+    timeout so the error text shows). The fix is the launcher, which starts every rank."""
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", GRPO_LAB_DIST_TIMEOUT="10")
+    train = ["-m", "grpo_lab", "train", "--preset", "stable", "--steps", "1", "--no-progress",
+             "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8"]
+    with tempfile.TemporaryDirectory() as out:
+        if fixed:
+            torchrun = str(Path(sys.executable).parent / "torchrun")
+            cmd = [torchrun, "--standalone", "--nproc_per_node", "2", *train, "--out", out]
+        else:
+            env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            cmd = [sys.executable, *train, "--out", out]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        wrote = (Path(out) / "metrics.jsonl").exists()
+    if run.returncode == 0 and wrote:
+        line = next((ln for ln in run.stdout.splitlines() if "data-parallel" in ln), "")
+        return Outcome(False, f"torchrun started both ranks: {line.removeprefix('[grpo_lab] ')}"
+                              "; the step ran and metrics.jsonl was written")
+    errors = [ln for ln in run.stderr.splitlines() if "Error" in ln or "error" in ln]
+    return Outcome(True, f"exit {run.returncode} after waiting for the missing rank: "
+                         f"{(errors or ['no error line'])[-1].strip()[:300]}")
+
+
 CATALOG: dict[str, Scenario] = {s.name: s for s in [
     Scenario("naive-run", "000/001",
              "grad norm spikes by orders of magnitude, parameters go NaN, sampling crashes",
@@ -411,6 +465,20 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
              log_ratio_overflow),
     Scenario("crash-resume", "004", "a crash mid-training loses every step since the start",
              "no checkpoints", "atomic checkpoints and --resume", crash_resume),
+    Scenario("memory-pressure", "003/004",
+             "out of memory mid-step (CUDA out of memory; on CPU DefaultCPUAllocator: "
+             "can't allocate memory)",
+             "the whole batch's activations held at once for one backward",
+             "the same batch in micro-batches (grad_accum_steps; the gradient is the same), "
+             "and/or gradient_checkpointing; `python -m grpo_lab.memory` measures each",
+             memory_pressure),
+    Scenario("launch-without-launcher", "002",
+             "a multi-process run hangs at start-up (the report: hangs and device-side asserts)",
+             "started with plain python where a launcher was meant: the ranks it expects "
+             "never start",
+             "start it with the launcher (torchrun / accelerate launch); on a multi-GPU "
+             "machine `train` refuses plain python and prints the command",
+             launch_without_launcher),
 ]}
 
 

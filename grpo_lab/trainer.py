@@ -58,6 +58,7 @@ from .tasks import (
 )
 
 SPIKE_WINDOW = 20  # recent finite grad norms the spike rule takes its median over
+SPIKE_MIN_HISTORY = 5  # recent grad norms needed before the spike rule has a baseline
 
 
 def micro_batches(n: int, k: int) -> list[slice]:
@@ -348,7 +349,7 @@ class Trainer:
         skip = False
         if cfg.skip_nonfinite_grad and not finite:
             skip = True
-        if cfg.spike_skip_factor is not None and finite and len(self.recent_grad_norms) >= 5:
+        if cfg.spike_skip_factor is not None and finite and len(self.recent_grad_norms) >= SPIKE_MIN_HISTORY:
             if grad_norm > cfg.spike_skip_factor * statistics.median(self.recent_grad_norms):
                 skip = True
         if finite:

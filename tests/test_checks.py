@@ -1,6 +1,9 @@
 """Exercise checkers: the reference passes, field bugs fail with a reason a learner can act
 on, an unwritten exercise reports 'not implemented yet' and hands back the reference."""
 
+import math
+import statistics
+
 import pytest
 import torch
 
@@ -152,3 +155,137 @@ def test_a_crashing_exercise_fails_with_the_exception_named():
 def test_wrong_shape_is_named():
     result = checks.check_kl_k3(lambda logp, ref_logp: (logp - ref_logp).sum())
     assert result.status == "failed" and "shape" in result.reason
+
+
+# --- notebook 06: gradient clipping and the skip rule ----------------------------------------
+def _torch_clip(grads, max_norm):
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return [p.grad for p in params], norm
+
+
+def _global_norm(grads):
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+def _clip_each_tensor(grads, max_norm):
+    return [g * min(1.0, max_norm / (float(g.norm()) + 1e-6)) for g in grads], _global_norm(grads)
+
+
+def _clip_values(grads, max_norm):  # clip_grad_value_
+    return [g.clamp(-max_norm, max_norm) for g in grads], _global_norm(grads)
+
+
+def _norm_after_clipping(grads, max_norm):
+    clipped, _ = checks.reference_clip_grad_norm(grads, max_norm)
+    return clipped, _global_norm(clipped)
+
+
+def _always_rescale(grads, max_norm):
+    norm = _global_norm(grads)
+    return [g * max_norm / norm for g in grads], norm
+
+
+def _report_000_rule(grad_norm, recent, factor):  # `if grad_norm > 10: skip`
+    return grad_norm > 10
+
+
+def _absolute_rule_with_nan_check(grad_norm, recent, factor):
+    return not math.isfinite(grad_norm) or grad_norm > 10
+
+
+def _spike_rule_without_nan_check(grad_norm, recent, factor):
+    return len(recent) >= 5 and grad_norm > factor * statistics.median(recent)
+
+
+def _mean_not_median(grad_norm, recent, factor):
+    return not math.isfinite(grad_norm) or (
+        len(recent) >= 5 and grad_norm > factor * statistics.mean(recent))
+
+
+def _no_minimum_history(grad_norm, recent, factor):
+    return not math.isfinite(grad_norm) or grad_norm > factor * statistics.median(recent)
+
+
+REFERENCES_06 = {
+    checks.check_clip_grad_norm: checks.reference_clip_grad_norm,
+    checks.check_should_skip: checks.reference_should_skip,
+}
+BUGS_06 = [
+    (checks.check_clip_grad_norm, _clip_each_tensor, "each tensor to max_norm on its own"),
+    (checks.check_clip_grad_norm, _clip_values, "clip_grad_value_"),
+    (checks.check_clip_grad_norm, _norm_after_clipping, "norm after clipping"),
+    (checks.check_clip_grad_norm, _always_rescale, "must come back unchanged"),
+    (checks.check_should_skip, _report_000_rule, "math.isfinite"),
+    (checks.check_should_skip, _spike_rule_without_nan_check, "NaN > x is False"),
+    (checks.check_should_skip, _absolute_rule_with_nan_check, "model's scale"),
+    (checks.check_should_skip, _mean_not_median, "use the median"),
+    (checks.check_should_skip, _no_minimum_history, "no baseline"),
+]
+
+
+@pytest.mark.parametrize("check", list(REFERENCES_06), ids=lambda c: c.__name__)
+def test_reference_passes_06(check, capsys):
+    result = check(REFERENCES_06[check])
+    assert result.passed, result.reason
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", list(REFERENCES_06), ids=lambda c: c.__name__)
+def test_unwritten_exercise_is_not_implemented_and_falls_back_06(check, capsys):
+    def stub(*args, **kwargs):
+        raise NotImplementedError("write this function")
+
+    result = check(stub)
+    assert result.status == "not implemented"
+    assert result.use() is REFERENCES_06[check]
+    assert "not implemented yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,buggy,needle", BUGS_06,
+                         ids=lambda x: getattr(x, "__name__", "x"))
+def test_field_bugs_fail_with_a_reason_06(check, buggy, needle):
+    result = check(buggy)
+    assert result.status == "failed"
+    assert needle in result.reason, result.reason
+    assert result.use() is REFERENCES_06[check]
+
+
+def test_clip_reference_is_torchs_clip_grad_norm():
+    """The checker's reference scales like torch.nn.utils.clip_grad_norm_ (which the trainer
+    calls), a NaN gradient included: clipping spreads the NaN to every tensor."""
+    assert checks.check_clip_grad_norm(_torch_clip).passed
+    grads = [torch.tensor([3.0, float("nan")]), torch.tensor([1.0, 2.0])]
+    ours, our_norm = checks.reference_clip_grad_norm(grads, 1.0)
+    theirs, their_norm = _torch_clip(grads, 1.0)
+    assert math.isnan(our_norm) and math.isnan(float(their_norm))
+    assert all(torch.isnan(g).all() for g in ours + theirs)
+
+
+def test_skip_reference_agrees_with_the_trainer():
+    """reference_should_skip is the rule Trainer._update applies with skip_nonfinite_grad
+    and spike_skip_factor: a 1e4x loss spike after 6 steps is skipped, ordinary steps not."""
+    from grpo_lab.config import preset
+    from grpo_lab.trainer import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(preset("stable", steps=8, prompts_per_step=2, group_size=4, eval_size=4,
+                             spike_skip_factor=20.0))
+    decisions = []
+    for step in range(1, 9):
+        recent = list(trainer.recent_grad_norms)
+        batch = trainer.make_batch()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.backward(batch)
+        if step == 7:
+            for p in trainer.policy.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1e4)
+        skipped = trainer._update()
+        decisions.append((bool(skipped), checks.reference_should_skip(
+            trainer.last_grad_norm, recent, trainer.cfg.spike_skip_factor)))
+        trainer.step_count += 1
+    assert [ours for ours, _ in decisions] == [s == 7 for s in range(1, 9)], decisions
+    assert all(ours == ref for ours, ref in decisions), decisions

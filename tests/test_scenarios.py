@@ -17,6 +17,8 @@ EXPECTED_TEXT = {  # the real error text the course promises, where there is one
     "naive-run": "probability tensor contains either `inf`, `nan` or element < 0",
     "no-health-monitoring": "probability tensor contains either `inf`, `nan` or element < 0",
     "log-ratio-overflow": "ratio inf",
+    "memory-pressure": "DefaultCPUAllocator: can't allocate memory: you tried to allocate",
+    "launch-without-launcher": "1/2 clients joined",
 }
 
 

@@ -1,0 +1,79 @@
+"""Peak step memory: the measurement moves the way it must, the reset between
+measurements is real, and the command prints the table (grpo_lab/memory.py)."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from grpo_lab import memory
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """`python -m grpo_lab.memory --quick` once: its exit code, printout and rows."""
+    path = tmp_path_factory.mktemp("memory") / "rows.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = memory.main(["--quick", "--device", "cpu", "--json", str(path)])
+    rows = {r["row"]: r for r in json.loads(path.read_text())}
+    return rc, out.getvalue(), rows
+
+
+def test_quick_mode_prints_the_table(quick):
+    rc, printed, rows = quick
+    assert rc == 0
+    assert list(rows) == ["baseline", "prompts x2", "accum 4", "checkpointing"]
+    header = printed.splitlines()[1]
+    for column in memory.COLUMNS:
+        assert column in header
+    for name, row in rows.items():
+        assert name in printed and f"{row['peak_mib']:.1f}" in printed
+        assert row["method"] == "proc" and row["idle_mib"] > 50  # torch + the model, in MiB
+    assert rows["baseline"]["ratio"] == 1.0
+    assert rows["prompts x2"]["rows"] == 2 * rows["baseline"]["rows"]
+
+
+def test_bigger_batch_needs_more_memory(quick):
+    rows = quick[2]
+    assert rows["baseline"]["peak_mib"] > 20  # tens of MiB: far above measurement noise
+    assert rows["prompts x2"]["peak_mib"] > 1.5 * rows["baseline"]["peak_mib"]
+
+
+def test_accumulation_and_checkpointing_need_less(quick):
+    rows = quick[2]
+    # the same 256 rows: 4 micro-batches hold a quarter of the activations at a time;
+    # checkpointing keeps one tensor per block instead of all of them
+    assert rows["accum 4"]["peak_mib"] < 0.6 * rows["baseline"]["peak_mib"]
+    assert rows["checkpointing"]["peak_mib"] < 0.7 * rows["baseline"]["peak_mib"]
+
+
+def test_the_reset_between_measurements_is_real(quick):
+    """In one process: a smaller config after a bigger one, then the same config again,
+    read what each reads first in its own process (the fixture's)."""
+    by_name = dict(memory.table_configs(quick=True))
+    big, small, again = memory.measure_configs(
+        [by_name["prompts x2"], by_name["baseline"], by_name["baseline"]]
+    )
+    alone = quick[2]
+    assert small["peak_mib"] == pytest.approx(alone["baseline"]["peak_mib"], rel=0.1, abs=3)
+    assert again["peak_mib"] == pytest.approx(small["peak_mib"], rel=0.05, abs=2)
+    assert big["peak_mib"] == pytest.approx(alone["prompts x2"]["peak_mib"], rel=0.1, abs=3)
+
+
+def test_maxrss_units():
+    # the peak RSS of this process two ways; KiB vs bytes would be off by 1024x
+    assert memory._maxrss_mib() == pytest.approx(memory._proc_status_mib("VmHWM"), rel=0.05,
+                                                 abs=5)
+
+
+def test_bad_input_is_refused_with_its_name(capsys):
+    assert memory.main(["--device", "tpu"]) == 2
+    assert "device must be 'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err
+    assert memory.main(["--batch", "9"]) == 2
+    assert "unrecognized arguments: --batch 9" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="method must be None"):
+        memory.measure_configs([memory.measuring_config()], method="vmstat")
+    with pytest.raises(ValueError, match="max_grad_norm=None"):
+        memory.capped_step(memory.measuring_config(max_grad_norm=1.0))
