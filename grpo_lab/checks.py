@@ -650,3 +650,92 @@ def check_completion_mask_from_ids(fn: Callable) -> CheckResult:
         ("another EOS id (GPT-2's 50256)",
          same_mask(torch.tensor([[464, 50256, 50256], [464, 318, 50256]]), 50256, "eos 50256")),
     ])
+
+
+# --- 11 --------------------------------------------------------------------------------------
+def reference_accumulation_for_budget(rows: int, mib_per_row: float, budget_mib: float) -> int:
+    if mib_per_row > budget_mib:
+        raise ValueError(f"one row needs {mib_per_row} MiB, more than the budget of "
+                         f"{budget_mib} MiB: no accumulation fits")
+    return next(k for k in range(1, rows + 1) if math.ceil(rows / k) * mib_per_row <= budget_mib)
+
+
+def check_accumulation_for_budget(fn: Callable) -> CheckResult:
+    ref = reference_accumulation_for_budget
+
+    def same(rows, per_row, budget, hint=""):
+        def case(f):
+            got, want = f(rows, per_row, budget), ref(rows, per_row, budget)
+            if got != want:
+                raise Mismatch(f"{rows} rows at {per_row} MiB/row, budget {budget} MiB: you "
+                               f"returned {got!r}, expected {want}" + (f"; {hint}" if hint else ""))
+        return case
+
+    def refuses(f):
+        try:
+            got = f(8, 5.0, 4.0)
+        except ValueError:
+            return
+        raise Mismatch(f"one row needs 5 MiB and the budget is 4 MiB: raise ValueError (you "
+                       f"returned {got!r}; no number of micro-batches makes one row smaller)")
+
+    return run_check("accumulation_for_budget", fn, ref, [
+        ("everything fits at once", same(64, 1.0, 100.0, "k = 1 when the whole batch fits")),
+        ("an exact fit at the boundary", same(64, 1.0, 32.0,
+                                              "<= budget fits: 32 rows of 1 MiB fit in 32 MiB")),
+        ("the smallest k, not the first divisor", same(10, 1.0, 4.0,
+                                                      "k = 3 gives micro-batches of 4, 3 and 3 "
+                                                      "rows: k need not divide the rows")),
+        ("rows that do not divide evenly", same(10, 1.0, 3.0,
+                                                "the largest micro-batch has ceil(10 / k) rows: "
+                                                "k = 3 gives 4, 3 and 3 (too many), k = 4 gives "
+                                                "3, 3, 2 and 2")),
+        ("fractional MiB per row", same(512, 0.655, 100.0)),
+        ("a single row that fits exactly", same(7, 2.5, 2.5, "k = rows: one row each")),
+        ("one row too big", refuses),
+    ])
+
+
+# --- 12 --------------------------------------------------------------------------------------
+def reference_shard_rows(prompts: int, group_size: int, rank: int, world_size: int) -> range:
+    from .distributed import World, shard
+
+    if prompts % world_size:
+        raise ValueError(f"prompts ({prompts}) must be divisible by world_size ({world_size})")
+    mine = shard(prompts, World(rank=rank, world_size=world_size))  # this rank's prompts
+    return range(mine.start * group_size, mine.stop * group_size)
+
+
+def check_shard_rows(fn: Callable) -> CheckResult:
+    ref = reference_shard_rows
+
+    def same(prompts, group_size, world_size, hint=""):
+        def case(f):
+            for rank in range(world_size):
+                got = f(prompts, group_size, rank, world_size)
+                want = list(ref(prompts, group_size, rank, world_size))
+                if list(got) != want:
+                    shown = list(got)[:8]
+                    raise Mismatch(f"{prompts} prompts x G={group_size} on {world_size} ranks, "
+                                   f"rank {rank}: you returned rows {shown}, expected "
+                                   f"{want[:8]}" + (f"; {hint}" if hint else ""))
+        return case
+
+    def refuses(f):
+        try:
+            got = f(3, 2, 0, 2)
+        except ValueError:
+            return
+        raise Mismatch(f"3 prompts on 2 ranks: raise ValueError (you returned {list(got)}); "
+                       "splitting the 6 rows 3 and 3 would cut prompt 1's group in half, and "
+                       "its advantages need the whole group")
+
+    return run_check("shard_rows", fn, ref, [
+        ("one process gets every row", same(4, 3, 1)),
+        ("two ranks, contiguous groups", same(4, 3, 2,
+                                              "rank r gets prompts [r * 2, r * 2 + 2), i.e. "
+                                              "their whole groups, in order")),
+        ("four ranks", same(8, 2, 4)),
+        ("one prompt per rank", same(2, 5, 2)),
+        ("prompts that do not divide evenly", refuses),
+    ])

@@ -289,3 +289,97 @@ def test_skip_reference_agrees_with_the_trainer():
         trainer.step_count += 1
     assert [ours for ours, _ in decisions] == [s == 7 for s in range(1, 9)], decisions
     assert all(ours == ref for ours, ref in decisions), decisions
+
+
+# --- 11: accumulation_for_budget -----------------------------------------------------------
+def _floor_division(rows, per_row, budget):  # rows // k rows per micro-batch: ignores the rest
+    if per_row > budget:
+        raise ValueError("one row does not fit")
+    return next(k for k in range(1, rows + 1) if rows // k * per_row <= budget)
+
+
+def _strict(rows, per_row, budget):  # < instead of <=: an exact fit is refused
+    if per_row >= budget:
+        raise ValueError("one row does not fit")
+    return next(k for k in range(1, rows + 1) if math.ceil(rows / k) * per_row < budget)
+
+
+def _never_refuses(rows, per_row, budget):  # returns rows even when one row cannot fit
+    return next((k for k in range(1, rows + 1) if math.ceil(rows / k) * per_row <= budget), rows)
+
+
+def _first_divisor(rows, per_row, budget):  # only splits into equal micro-batches
+    if per_row > budget:
+        raise ValueError("one row does not fit")
+    return next(k for k in range(1, rows + 1) if rows % k == 0 and rows // k * per_row <= budget)
+
+
+@pytest.mark.parametrize("bug, needle", [
+    (_floor_division, "rows that do not divide evenly"),
+    (_strict, "an exact fit at the boundary"),
+    (_never_refuses, "one row too big"),
+    (_first_divisor, "the smallest k, not the first divisor"),
+])
+def test_accumulation_for_budget_checker_names_each_bug(bug, needle):
+    result = checks.check_accumulation_for_budget(bug)
+    assert result.status == "failed" and needle in result.reason, result.reason
+    assert result.use() is checks.reference_accumulation_for_budget
+
+
+def test_accumulation_for_budget_reference_matches_the_trainers_micro_batches():
+    """The largest of the trainer's k micro-batches has ceil(rows / k) rows, which is what the
+    reference assumes."""
+    from grpo_lab.trainer import micro_batches
+
+    assert checks.check_accumulation_for_budget(checks.reference_accumulation_for_budget).passed
+    for rows in (7, 10, 64, 100):
+        for k in range(1, rows + 1):
+            biggest = max(s.stop - s.start for s in micro_batches(rows, k))
+            assert biggest == math.ceil(rows / k)
+
+
+# --- 12: shard_rows ------------------------------------------------------------------------
+def _strided(prompts, group_size, rank, world_size):  # every world_size-th row: splits groups
+    if prompts % world_size:
+        raise ValueError("uneven")
+    return range(rank, prompts * group_size, world_size)
+
+
+def _rows_split(prompts, group_size, rank, world_size):  # splits rows, not prompts
+    per_rank = prompts * group_size // world_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _prompts_not_rows(prompts, group_size, rank, world_size):  # prompt indices, not rows
+    if prompts % world_size:
+        raise ValueError("uneven")
+    per_rank = prompts // world_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+@pytest.mark.parametrize("bug, needle", [
+    (_strided, "two ranks, contiguous groups"),
+    (_rows_split, "prompts that do not divide evenly"),
+    (_prompts_not_rows, "one process gets every row"),
+])
+def test_shard_rows_checker_names_each_bug(bug, needle):
+    result = checks.check_shard_rows(bug)
+    assert result.status == "failed" and needle in result.reason, result.reason
+    assert result.use() is checks.reference_shard_rows
+
+
+def test_shard_rows_reference_is_the_trainers_sharding():
+    """The trainer shards prompts with distributed.shard and samples G rows per prompt, so its
+    rank's rows are exactly the reference's."""
+    from grpo_lab.distributed import World, shard
+
+    assert checks.check_shard_rows(checks.reference_shard_rows).passed
+    for prompts, group, world in ((8, 8, 2), (12, 4, 3), (4, 2, 4)):
+        covered = []
+        for rank in range(world):
+            mine = shard(prompts, World(rank=rank, world_size=world))
+            rows = checks.reference_shard_rows(prompts, group, rank, world)
+            assert list(rows) == [p * group + g for p in range(mine.start, mine.stop)
+                                  for g in range(group)]
+            covered += list(rows)
+        assert covered == list(range(prompts * group))  # every row once, in order
