@@ -1,0 +1,386 @@
+"""grpo_lab vs TRL: the same GRPO run through both trainers, side by side.
+
+    python -m grpo_lab.bench [--steps 150] [--seeds 3] [--threads 1] [--device cpu]
+    python -m grpo_lab.bench --steps 3 --seeds 1   # smoke test
+
+Both sides start from the same weights (the shipped tiny GPT-2), see the same prompts in
+the same order (grpo_lab's seeded ProblemStream, handed to TRL as an unshuffled dataset),
+score them with the same reward (`tasks.addition_reward`, already in TRL's signature) and
+use the same G, completion cap, temperature, learning rate, beta and grad clipping. Each
+side runs in its own subprocess, one after the other (alternating per seed, so drifting
+machine load hits both alike), so its peak memory is its own and the two never compete
+for the CPU. Accuracy is measured identically on both: greedy `sampling.greedy_accuracy`
+on `tasks.eval_problems(256)`, averaged over the seeds, since one run's accuracy after
+150 steps moves by several points from seed to seed.
+
+Figures are printed, never asserted: on a shared machine the timings are noisy; the CPU
+seconds per step (not counting time other jobs hold the core) are the steadier figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULT = "BENCH_RESULT "  # prefix of the one JSON line a side prints on stdout
+SIDES = ("grpo_lab", "TRL")
+EVAL_SIZE = 256
+PROGRESS_EVERY = 10  # steps between progress lines
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2, as the grpo_lab CLI
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = _Parser(prog="python -m grpo_lab bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=150, help="optimizer steps per run (3: smoke)")
+    ap.add_argument("--seeds", type=int, default=3,
+                    help="runs per side, seeds SEED..SEED+SEEDS-1 (accuracy is their mean)")
+    ap.add_argument("--seed", type=int, default=0, help="the first seed")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads per side, the same for both (1: on a shared "
+                         "2-core machine two spinning threads run the tiny model far slower)")
+    ap.add_argument("--device", default="cpu", help="'cpu' or 'cuda'")
+    ap.add_argument("--json", metavar="FILE", help="also write every figure, per side, as JSON")
+    ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
+    args = ap.parse_args(argv)
+    for name in ("steps", "seeds", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be an integer >= 1 (got {getattr(args, name)})")
+    if args.seed < 0:
+        ap.error(f"--seed must be an integer >= 0 (got {args.seed})")
+    if args.device not in ("cpu", "cuda"):
+        ap.error(f"--device must be 'cpu' or 'cuda' (got {args.device!r})")
+    return args
+
+
+def bench_config(args: argparse.Namespace):
+    """grpo_lab's stable preset (every safety switch on) on the tiny model; TRL copies the
+    knobs it shares with it from this config."""
+    from .config import preset
+
+    return preset("stable", seed=args.seed, steps=args.steps, profile="cpu", device=args.device,
+                  eval_every=0, eval_size=EVAL_SIZE, checkpoint_every=0)
+
+
+# ---- the two sides, each in its own process ------------------------------------------------
+class Progress:
+    """Per-step wall and CPU seconds, rewards, and a progress line on stderr every
+    PROGRESS_EVERY steps. CPU time (this process, all threads) is the steadier figure on a
+    machine shared with other jobs: it does not count the time others hold the core."""
+
+    def __init__(self, side: str, total: int):
+        self.side, self.total = side, total
+        self.times, self.cpu_times, self.rewards = [], [], []
+        self.start = time.perf_counter()
+        self.last_wall, self.last_cpu = None, None
+
+    def begin(self) -> None:
+        self.last_wall, self.last_cpu = time.perf_counter(), time.process_time()
+
+    def step_done(self, reward: float) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.times.append(wall - self.last_wall)
+        self.cpu_times.append(cpu - self.last_cpu)
+        self.last_wall, self.last_cpu = wall, cpu
+        self.rewards.append(reward)
+        n = len(self.times)
+        if n % PROGRESS_EVERY == 0 or n == self.total:
+            elapsed = time.perf_counter() - self.start
+            print(f"[{self.side}] step {n}/{self.total}  {statistics.median(self.times):.3f} s/step "
+                  f"(median)  reward {reward:.2f}  elapsed {elapsed:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    def figures(self) -> dict:
+        return {"times": self.times, "cpu_times": self.cpu_times,
+                "reward_last10": statistics.mean(self.rewards[-10:])}
+
+
+def distance(model, start: list) -> float:
+    """L2 distance of the model's parameters from `start`: > 0 once it has trained."""
+    import torch
+
+    return float(torch.sqrt(sum(((p.detach() - q) ** 2).sum() for p, q in
+                                zip(model.parameters(), start, strict=True))))
+
+
+def peak_memory_mib(device: str) -> dict:
+    import resource
+
+    import torch
+
+    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
+    if device == "cuda":
+        out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def run_grpo_lab(args: argparse.Namespace) -> dict:
+    from .trainer import Trainer
+
+    cfg = bench_config(args)
+    trainer = Trainer(cfg)
+    start = [p.detach().clone() for p in trainer.policy.parameters()]
+    acc0 = trainer.evaluate()
+    progress = Progress(f"grpo_lab seed {cfg.seed}", cfg.steps)
+    sync = _device_sync(args.device)
+    # the last step also runs the trainer's end-of-run eval; the median step ignores it
+    for _ in range(cfg.steps):
+        progress.begin()
+        m = trainer.step()
+        sync()
+        progress.step_done(m["reward"])
+    return {**progress.figures(), "acc0": acc0, "acc": trainer.evaluate(),
+            "moved": distance(trainer.policy, start)}
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    from datasets import Dataset
+
+    from .models import load_policy
+    from .sampling import greedy_accuracy
+    from .tasks import ProblemStream, eval_problems
+
+    cfg = bench_config(args)
+    model, tokenizer = load_policy(cfg.profile)
+    # the prompts grpo_lab's stream draws with this seed, in its order
+    problems = ProblemStream(cfg.seed).sample(cfg.prompts_per_step * cfg.steps)
+    dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems],
+                                 "answer": [p.answer for p in problems]})
+    eval_set = eval_problems(EVAL_SIZE)
+    start = [p.detach().clone() for p in model.parameters()]
+    acc0 = greedy_accuracy(model, tokenizer, eval_set, cfg.max_new_tokens)
+    with tempfile.TemporaryDirectory(prefix="grpo_lab_bench_trl_") as out_dir:
+        trainer, timer = _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir)
+        trainer.train()
+    acc = greedy_accuracy(trainer.model, tokenizer, eval_set, cfg.max_new_tokens)
+    return {**timer.progress.figures(), "acc0": acc0, "acc": acc,
+            "moved": distance(trainer.model, start)}
+
+
+def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
+    """A GRPOTrainer set up for the same work as grpo_lab's step, and its step timer."""
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    from .models import quiet_loading
+    from .tasks import addition_reward
+
+    trl_args = TRLConfig(
+        output_dir=out_dir,
+        use_cpu=args.device == "cpu",
+        seed=cfg.seed,
+        max_steps=cfg.steps,
+        # one step = prompts_per_step prompts x G completions, one optimizer update:
+        # per-device batch = all completions of the step, no accumulation, so
+        # steps_per_generation (default: gradient_accumulation_steps) = 1, and mu = 1
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=cfg.group_size,
+        num_iterations=cfg.num_iterations,
+        shuffle_dataset=False,  # the dataset is already grpo_lab's seeded order
+        max_completion_length=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        # objective: same loss, clip range, KL and reward scaling
+        loss_type=cfg.loss_type,
+        beta=cfg.beta,
+        epsilon=cfg.epsilon_low,
+        epsilon_high=cfg.epsilon_high,
+        scale_rewards="group" if cfg.scale_rewards else "none",
+        use_bias_correction_kl=False,  # TRL 1.16's default multiplies k3 by the ratio
+        # already plain GRPO by default: token-level ratios, no entropy mask or bonus, no
+        # two-sided (delta) clip, no off-policy mask, no vLLM importance weights, truncated
+        # completions kept in the loss
+        importance_sampling_level="token",
+        mask_truncated_completions=False,
+        # optimizer: TRL's default, torch's fused AdamW (the same update rule as
+        # grpo_lab's torch.optim.AdamW); constant lr, no warmup, same decay and clipping
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=cfg.max_grad_norm,
+        # precision and memory: float32 like grpo_lab (amp="none"; TRL defaults to bf16)
+        # and no activation checkpointing (TRL defaults to it; grpo_lab's stable has it off)
+        bf16=False,
+        activation_checkpointing=False,
+        disable_dropout=True,
+        # no eval, no saving, no reporting; logging stays at TRL's default interval, and
+        # the progress line below replaces the tqdm bar (both sides print the same)
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+    class Timer(TrainerCallback):
+        """Wall time from one step's end to the next: generation, loss, update, logging."""
+
+        def __init__(self):
+            self.progress = Progress(f"TRL seed {cfg.seed}", cfg.steps)
+            self.sync = _device_sync(args.device)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.progress.last_wall is None:  # later steps count from the previous end
+                self.progress.begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.sync()
+            # this step's mean reward; TRL empties _metrics when it logs, after this hook
+            self.progress.step_done(trainer._metrics["train"]["reward"][-1])
+
+    timer = Timer()
+    with quiet_loading():  # TRL loads the reference from the model's directory
+        trainer = GRPOTrainer(model=model, reward_funcs=addition_reward, args=trl_args,
+                              train_dataset=dataset, processing_class=tokenizer,
+                              callbacks=[timer])
+    return trainer, timer
+
+
+def _device_sync(device: str):
+    """Wait for queued GPU work before reading the clock; a no-op on CPU."""
+    import torch
+
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def run_side(args: argparse.Namespace) -> int:
+    import warnings
+
+    import torch
+
+    # transformers' own deprecation notice, raised inside TRL's generation path
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    torch.set_num_threads(args.threads)
+    result = run_grpo_lab(args) if args.side == "grpo_lab" else run_trl(args)
+    result.update(peak_memory_mib(args.device))
+    print(RESULT + json.dumps(result), flush=True)
+    return 0
+
+
+# ---- the comparison ------------------------------------------------------------------------
+def spawn(side: str, seed: int, args: argparse.Namespace) -> dict:
+    """Run one side for one seed in a fresh process; its result dict."""
+    cmd = [sys.executable, "-m", "grpo_lab.bench", "--side", side, "--steps", str(args.steps),
+           "--seed", str(seed), "--threads", str(args.threads), "--device", args.device]
+    env = {**os.environ, "GRPO_LAB_PROFILE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    print(f"[{side} seed {seed}] training {args.steps} steps ...", file=sys.stderr, flush=True)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: progress
+    lines = [line for line in p.stdout.splitlines() if line.startswith(RESULT)]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"the {side} side (seed {seed}) failed with exit code "
+                           f"{p.returncode}; the end of its output:\n{p.stdout[-4000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def merge(runs: list[dict]) -> dict:
+    """One side's runs (one per seed) -> its figures: step times pooled over the runs,
+    the largest peak memory, accuracies and rewards per seed."""
+    out = {key: [t for r in runs for t in r[key]] for key in ("times", "cpu_times")}
+    out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+    if "peak_cuda_mib" in runs[0]:
+        out["peak_cuda_mib"] = max(r["peak_cuda_mib"] for r in runs)
+    for key in ("acc0", "acc", "reward_last10", "moved"):
+        out[key] = [r[key] for r in runs]
+    return out
+
+
+def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
+    """The table, then the two figures the benchmark is about, last."""
+    import torch
+    import trl
+
+    cfg = bench_config(args)
+    per_step = cfg.prompts_per_step * cfg.group_size
+    cuda = args.device == "cuda"
+    mean = statistics.mean
+    head = ["side", "s/step", "CPU s/step", "compl/s", "peak RSS", "eval accuracy", "reward"]
+    unit = ["", "median", "median", "", "MiB", f"step 0 -> {cfg.steps}", "last 10"]
+    if cuda:
+        head.insert(5, "peak CUDA")
+        unit.insert(5, "MiB")
+    rows = [head, unit]
+    for side in SIDES:
+        r = results[side]
+        wall = statistics.median(r["times"])
+        row = [side, f"{wall:.3f}", f"{statistics.median(r['cpu_times']):.3f}",
+               f"{per_step / wall:.0f}", f"{r['peak_rss_mib']:.0f}",
+               f"{mean(r['acc0']):.3f} -> {mean(r['acc']):.3f}",
+               f"{mean(r['reward_last10']):.2f}"]
+        if cuda:
+            row.insert(5, f"{r['peak_cuda_mib']:.0f}")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+             for row in rows]
+    per_seed = [f"  eval accuracy at step {cfg.steps} by seed ({', '.join(map(str, seeds))}): "
+                + "; ".join(f"{side} " + ", ".join(f"{a:.3f}" for a in results[side]["acc"])
+                            for side in SIDES)]
+
+    def ratio(key: str) -> float:
+        return statistics.median(results["grpo_lab"][key]) / statistics.median(results["TRL"][key])
+
+    delta = mean(results["grpo_lab"]["acc"]) - mean(results["TRL"]["acc"])
+    return "\n".join([
+        f"grpo_lab vs TRL {trl.__version__}: torch {torch.__version__}, {args.device}, "
+        f"{args.threads} thread(s) per side, {os.cpu_count()} cores",
+        f"tiny GPT-2, addition, stable preset, {cfg.steps} steps x {cfg.prompts_per_step} "
+        f"prompts x G={cfg.group_size} = {per_step} completions/step, max "
+        f"{cfg.max_new_tokens} new tokens, T={cfg.temperature:g}, lr {cfg.learning_rate:g} "
+        f"(constant), beta {cfg.beta:g}, loss {cfg.loss_type}, max_grad_norm "
+        f"{cfg.max_grad_norm:g}, {len(seeds)} seed(s)",
+        "",
+        *table,
+        *(per_seed if len(seeds) > 1 else []),
+        "",
+        f"CPU time ratio (grpo_lab/TRL): {ratio('cpu_times'):.3f}",
+        f"step time ratio (grpo_lab/TRL): {ratio('times'):.3f}",
+        f"accuracy delta (grpo_lab - TRL): {delta:+.3f}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.side is not None:
+        return run_side(args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda but CUDA is not available on this machine", file=sys.stderr)
+            return 2
+    t0 = time.time()
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    try:
+        for seed in seeds:  # alternate the sides, so slow spells of a shared machine hit both
+            for side in SIDES:
+                runs[side].append(spawn(side, seed, args))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"(all runs took {time.time() - t0:.0f} s)", file=sys.stderr)
+    results = {side: merge(r) for side, r in runs.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seeds": seeds, "steps": args.steps, **results}, f)
+    print(summary(results, args, seeds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
