@@ -101,7 +101,7 @@ class Progress:
                   file=sys.stderr, flush=True)
 
     def figures(self) -> dict:
-        return {"times": self.times, "cpu_times": self.cpu_times,
+        return {"times": self.times, "cpu_times": self.cpu_times, "rewards": self.rewards,
                 "reward_last10": statistics.mean(self.rewards[-10:])}
 
 

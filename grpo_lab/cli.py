@@ -121,9 +121,9 @@ def build_parser() -> Parser:
     mem.add_argument("--quick", action="store_true", help="fewer rows")
     mem.add_argument("--device", default=None, help="cpu or cuda (default: the profile's)")
     mem.add_argument("--json", default=None, help="also write the rows as JSON here")
-    bench = sub.add_parser("bench", help="grpo_lab against TRL's GRPOTrainer on the same work")
-    bench.add_argument("args", nargs=argparse.REMAINDER,
-                       help="options of the benchmark (python -m grpo_lab bench -- --help)")
+    # listed for --help only: main() hands everything after "bench" to bench.main
+    sub.add_parser("bench", help="grpo_lab against TRL's GRPOTrainer on the same work "
+                                 "(python -m grpo_lab bench --help)")
 
     build = sub.add_parser("build-model", help="regenerate the shipped tiny GPT-2")
     build.add_argument("--out", type=Path, default=None)
@@ -274,6 +274,11 @@ def cmd_build_model(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser (it also runs as python -m grpo_lab.bench)
+        from .bench import main as bench
+
+        return bench(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -300,10 +305,6 @@ def main(argv: list[str] | None = None) -> int:
 
             return memory(["--quick"] * args.quick + ["--device", args.device] * bool(args.device)
                           + ["--json", args.json] * bool(args.json))
-        if args.command == "bench":
-            from .bench import main as bench
-
-            return bench([a for a in args.args if a != "--"])
         if args.command == "reliability":
             from .reliability import main as reliability
 

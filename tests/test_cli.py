@@ -133,3 +133,9 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
     from grpo_lab.trainer import without_timing
 
     assert without_timing(metrics(killed)) == without_timing(metrics(whole))
+
+
+def test_bench_subcommand_hands_its_options_to_the_benchmark():
+    p = run("bench", "--steps", "0")
+    assert p.returncode == 2
+    assert "--steps must be an integer >= 1" in p.stderr and p.stderr.count("\n") == 1
