@@ -32,24 +32,6 @@ REFERENCES = {
 }
 
 
-@pytest.mark.parametrize("check", list(REFERENCES), ids=lambda c: c.__name__)
-def test_reference_passes(check, capsys):
-    result = check(REFERENCES[check])
-    assert result.passed, result.reason
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check", list(REFERENCES), ids=lambda c: c.__name__)
-def test_unwritten_exercise_is_not_implemented_and_falls_back(check, capsys):
-    def stub(*args, **kwargs):
-        raise NotImplementedError("write this function")
-
-    result = check(stub)
-    assert result.status == "not implemented"
-    assert result.use() is REFERENCES[check]
-    assert "not implemented yet" in capsys.readouterr().out
-
-
 def _no_eps(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
     g = rewards.view(-1, group_size)
     c = g - g.mean(1, keepdim=True)
@@ -136,14 +118,6 @@ BUGS = [
 ]
 
 
-@pytest.mark.parametrize("check,buggy,needle", BUGS, ids=lambda x: getattr(x, "__name__", "x"))
-def test_field_bugs_fail_with_a_reason(check, buggy, needle):
-    result = check(buggy)
-    assert result.status == "failed"
-    assert needle in result.reason, result.reason
-    assert result.use() is REFERENCES[check]
-
-
 def test_a_crashing_exercise_fails_with_the_exception_named():
     def crashes(rewards, group_size, **kw):
         return rewards.view(group_size, -1, 3)
@@ -209,11 +183,11 @@ def _no_minimum_history(grad_norm, recent, factor):
     return not math.isfinite(grad_norm) or grad_norm > factor * statistics.median(recent)
 
 
-REFERENCES_06 = {
+REFERENCES.update({
     checks.check_clip_grad_norm: checks.reference_clip_grad_norm,
     checks.check_should_skip: checks.reference_should_skip,
-}
-BUGS_06 = [
+})
+BUGS += [
     (checks.check_clip_grad_norm, _clip_each_tensor, "each tensor to max_norm on its own"),
     (checks.check_clip_grad_norm, _clip_values, "clip_grad_value_"),
     (checks.check_clip_grad_norm, _norm_after_clipping, "norm after clipping"),
@@ -224,33 +198,6 @@ BUGS_06 = [
     (checks.check_should_skip, _mean_not_median, "use the median"),
     (checks.check_should_skip, _no_minimum_history, "no baseline"),
 ]
-
-
-@pytest.mark.parametrize("check", list(REFERENCES_06), ids=lambda c: c.__name__)
-def test_reference_passes_06(check, capsys):
-    result = check(REFERENCES_06[check])
-    assert result.passed, result.reason
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check", list(REFERENCES_06), ids=lambda c: c.__name__)
-def test_unwritten_exercise_is_not_implemented_and_falls_back_06(check, capsys):
-    def stub(*args, **kwargs):
-        raise NotImplementedError("write this function")
-
-    result = check(stub)
-    assert result.status == "not implemented"
-    assert result.use() is REFERENCES_06[check]
-    assert "not implemented yet" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,buggy,needle", BUGS_06,
-                         ids=lambda x: getattr(x, "__name__", "x"))
-def test_field_bugs_fail_with_a_reason_06(check, buggy, needle):
-    result = check(buggy)
-    assert result.status == "failed"
-    assert needle in result.reason, result.reason
-    assert result.use() is REFERENCES_06[check]
 
 
 def test_clip_reference_is_torchs_clip_grad_norm():
@@ -314,16 +261,13 @@ def _first_divisor(rows, per_row, budget):  # only splits into equal micro-batch
     return next(k for k in range(1, rows + 1) if rows % k == 0 and rows // k * per_row <= budget)
 
 
-@pytest.mark.parametrize("bug, needle", [
-    (_floor_division, "rows that do not divide evenly"),
-    (_strict, "an exact fit at the boundary"),
-    (_never_refuses, "one row too big"),
-    (_first_divisor, "the smallest k, not the first divisor"),
-])
-def test_accumulation_for_budget_checker_names_each_bug(bug, needle):
-    result = checks.check_accumulation_for_budget(bug)
-    assert result.status == "failed" and needle in result.reason, result.reason
-    assert result.use() is checks.reference_accumulation_for_budget
+REFERENCES[checks.check_accumulation_for_budget] = checks.reference_accumulation_for_budget
+BUGS += [
+    (checks.check_accumulation_for_budget, _floor_division, "rows that do not divide evenly"),
+    (checks.check_accumulation_for_budget, _strict, "an exact fit at the boundary"),
+    (checks.check_accumulation_for_budget, _never_refuses, "one row too big"),
+    (checks.check_accumulation_for_budget, _first_divisor, "the smallest k, not the first divisor"),
+]
 
 
 def test_accumulation_for_budget_reference_matches_the_trainers_micro_batches():
@@ -357,15 +301,12 @@ def _prompts_not_rows(prompts, group_size, rank, world_size):  # prompt indices,
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-@pytest.mark.parametrize("bug, needle", [
-    (_strided, "two ranks, contiguous groups"),
-    (_rows_split, "prompts that do not divide evenly"),
-    (_prompts_not_rows, "one process gets every row"),
-])
-def test_shard_rows_checker_names_each_bug(bug, needle):
-    result = checks.check_shard_rows(bug)
-    assert result.status == "failed" and needle in result.reason, result.reason
-    assert result.use() is checks.reference_shard_rows
+REFERENCES[checks.check_shard_rows] = checks.reference_shard_rows
+BUGS += [
+    (checks.check_shard_rows, _strided, "two ranks, contiguous groups"),
+    (checks.check_shard_rows, _rows_split, "prompts that do not divide evenly"),
+    (checks.check_shard_rows, _prompts_not_rows, "one process gets every row"),
+]
 
 
 def test_shard_rows_reference_is_the_trainers_sharding():
@@ -383,3 +324,30 @@ def test_shard_rows_reference_is_the_trainers_sharding():
                                   for g in range(group)]
             covered += list(rows)
         assert covered == list(range(prompts * group))  # every row once, in order
+
+
+# --- every checker: its reference passes, a stub is "not implemented", each bug is named ----
+@pytest.mark.parametrize("check", list(REFERENCES), ids=lambda c: c.__name__)
+def test_reference_passes(check, capsys):
+    result = check(REFERENCES[check])
+    assert result.passed, result.reason
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", list(REFERENCES), ids=lambda c: c.__name__)
+def test_unwritten_exercise_is_not_implemented_and_falls_back(check, capsys):
+    def stub(*args, **kwargs):
+        raise NotImplementedError("write this function")
+
+    result = check(stub)
+    assert result.status == "not implemented"
+    assert result.use() is REFERENCES[check]
+    assert "not implemented yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,buggy,needle", BUGS, ids=lambda x: getattr(x, "__name__", "x"))
+def test_field_bugs_fail_with_a_reason(check, buggy, needle):
+    result = check(buggy)
+    assert result.status == "failed"
+    assert needle in result.reason, result.reason
+    assert result.use() is REFERENCES[check]
