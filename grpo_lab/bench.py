@@ -114,11 +114,11 @@ def distance(model, start: list) -> float:
 
 
 def peak_memory_mib(device: str) -> dict:
-    import resource
-
     import torch
 
-    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
+    from .memory import maxrss_mib
+
+    out = {"peak_rss_mib": maxrss_mib()}
     if device == "cuda":
         out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out

@@ -122,7 +122,8 @@ def _reset_peak_rss() -> None:
         f.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
 
 
-def _maxrss_mib() -> float:
+def maxrss_mib() -> float:
+    """This process's peak resident memory so far, in MiB."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / MIB if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB here
 
@@ -178,9 +179,9 @@ def _measure_here(cfg: GRPOConfig, method: str) -> dict:
         peak = _proc_status_mib("VmHWM") - idle
     elif method == "rusage":
         _release_free_memory()
-        idle = _maxrss_mib()
+        idle = maxrss_mib()
         trainer.step()
-        peak = _maxrss_mib() - idle
+        peak = maxrss_mib() - idle
     else:
         raise ValueError(f"method must be 'cuda', 'proc' or 'rusage' (got {method!r})")
     del trainer
