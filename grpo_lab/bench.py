@@ -34,14 +34,11 @@ EVAL_SIZE = 256
 PROGRESS_EVERY = 10  # steps between progress lines
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit code 2, as the grpo_lab CLI
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = _Parser(prog="python -m grpo_lab bench", description=__doc__.split("\n")[0])
+    """The benchmark's options; a bad one raises cli.UsageError (one line, exit 2 in main)."""
+    from .cli import Parser
+
+    ap = Parser(prog="python -m grpo_lab bench", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps per run (3: smoke)")
     ap.add_argument("--seeds", type=int, default=3,
                     help="runs per side, seeds SEED..SEED+SEEDS-1 (accuracy is their mean)")
@@ -354,14 +351,21 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    from .cli import UsageError
+
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        print(f"grpo_lab bench: error: {e}", file=sys.stderr)
+        return 2
     if args.side is not None:
         return run_side(args)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            print("error: --device cuda but CUDA is not available on this machine", file=sys.stderr)
+            print("grpo_lab bench: error: --device cuda but CUDA is not available on this "
+                  "machine", file=sys.stderr)
             return 2
     t0 = time.time()
     seeds = list(range(args.seed, args.seed + args.seeds))
