@@ -6,6 +6,13 @@ import math
 from pathlib import Path
 
 
+def moving_average(xs: list[float], window: int) -> list[float]:
+    """The mean of each value and the up to window - 1 before it: a noisy per-step curve
+    (reward) made readable, the same length as the input."""
+    return [sum(xs[max(0, i - window + 1):i + 1]) / len(xs[max(0, i - window + 1):i + 1])
+            for i in range(len(xs))]
+
+
 def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(m["step"], m[key]) for m in history if key in m and m[key] is not None]
     return [s for s, _ in pts], [v for _, v in pts]
