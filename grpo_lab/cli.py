@@ -119,7 +119,8 @@ def build_parser() -> Parser:
     mem = sub.add_parser("memory", help="peak memory of one step against batch, G, completion "
                                         "length, accumulation and activation checkpointing")
     mem.add_argument("--quick", action="store_true", help="fewer rows")
-    mem.add_argument("--device", default=None, help="cpu or cuda (default: the profile's)")
+    mem.add_argument("--device", default=None, help="cpu or cuda (default: cuda when "
+                                                    "available, else cpu)")
     mem.add_argument("--json", default=None, help="also write the rows as JSON here")
     # listed for --help only: main() hands everything after "bench" to bench.main
     sub.add_parser("bench", help="grpo_lab against TRL's GRPOTrainer on the same work "
@@ -214,8 +215,10 @@ def cmd_train(args) -> int:
         print(f"[grpo_lab] data-parallel: {trainer.world.world_size} processes, "
               f"{cfg.prompts_per_step // trainer.world.world_size} prompts each per step")
     plot_path = out / "metrics.png"
+    failed = True
     try:
         trainer.train(progress=not args.no_progress)
+        failed = False
     except Exception as e:
         print(f"\nerror at step {trainer.step_count + 1}: {type(e).__name__}: {e}",
               file=sys.stderr)
@@ -226,7 +229,7 @@ def cmd_train(args) -> int:
             print(f"metrics: {out / METRICS}  plot: {plot_path}", file=sys.stderr)
         return 1
     finally:
-        trainer.close()
+        trainer.close(failed)
     if not main_rank:
         return 0
     plot_run(trainer.history, plot_path, title=args.preset)

@@ -117,13 +117,18 @@ def setup(device: str | None) -> tuple[World, torch.device | None]:
     return world, rank_device
 
 
-def shutdown() -> None:
+def shutdown(wait_for_others: bool = True) -> None:
     """Leave the process group. Drop every DDP wrapper first (Trainer.close does): a
     wrapper freed after this point destroys the gloo group from its own destructor, with
     the GIL held, while gloo's worker thread may need the GIL to free a finished work
-    item: a deadlock at exit (seen here with torch 2.13)."""
+    item: a deadlock at exit (seen here with torch 2.13).
+
+    wait_for_others=False after an error: the other ranks are inside some collective, and
+    a barrier would be matched against it; leave, so the launcher sees this rank fail and
+    stops the rest."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if wait_for_others:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -529,12 +529,13 @@ class Trainer:
                 f.writelines(to_json_line(m) for m in self.history)
             os.replace(tmp, self.out_dir / METRICS)
 
-    def close(self) -> None:
-        """Leave the process group of a data-parallel run (a no-op in one process)."""
+    def close(self, failed: bool = False) -> None:
+        """Leave the process group of a data-parallel run (a no-op in one process); after
+        a failure, without waiting for the other ranks."""
         if self.world.distributed:
             self.model = self.policy  # the DDP wrapper must go before its process group
             gc.collect()
-            distributed.shutdown()
+            distributed.shutdown(wait_for_others=not failed)
 
     # ---- diagnosis -----------------------------------------------------------------------
     def diagnosis(self) -> str:

@@ -175,3 +175,35 @@ def test_inconsistent_launcher_environment_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="RANK must be an integer"):
         distributed.world_from_env()
 
+
+
+FLAKY_RANK = '''
+import os, sys
+from grpo_lab import cli, trainer
+if os.environ["RANK"] == "1":  # rank 1's reward function fails on its third call
+    calls, real = [], trainer.checked_rewards
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("reward function failed on rank 1")
+        return real(*args, **kwargs)
+    trainer.checked_rewards = flaky
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+def test_one_rank_failing_stops_the_run_instead_of_hanging(tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(FLAKY_RANK)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPO_LAB_DIST_TIMEOUT": "600"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    # a hang would sit out the 600 s collective timeout; the subprocess gets 120 s
+    run = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                          str(script), "train", "--preset", "stable", "--steps", "6",
+                          "--no-progress", "--prompts-per-step", "4", "--group-size", "4",
+                          "--eval-size", "8", "--out", str(tmp_path / "run")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "reward function failed on rank 1" in run.stderr
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
