@@ -1,7 +1,7 @@
 """GRPO Lab: a small, readable GRPO trainer for GPT-2, built to be broken and fixed.
 
 One file per concern: config (GRPOConfig, presets), models (policy, tokenizer, profiles),
-tasks (addition and its reward), sampling (generate, log-probs), objective (advantages,
+tasks (addition and its reward), sampling (a group per prompt, log-probs), objective (advantages,
 KL estimators, clipped surrogate, aggregation), trainer (the loop, accumulation, AMP,
 clipping, checkpoints), health (checks, snapshots, rollback), bugs (the field reports'
 broken variants), plots, cli.

@@ -27,6 +27,14 @@ def nonfinite_params(model: torch.nn.Module) -> int:
     return nonfinite_count(p.detach() for p in model.parameters())
 
 
+def all_finite(model: torch.nn.Module) -> bool:
+    """True when no parameter has a NaN/inf, from one norm per tensor (a single foreach
+    kernel): NaN/inf make the norm NaN/inf. False can also mean a finite norm too large
+    for float32; the exact count (nonfinite_params) then decides."""
+    norms = torch._foreach_norm([p.detach() for p in model.parameters()])
+    return bool(torch.isfinite(torch.stack(norms)).all())
+
+
 def first_nonfinite(named_tensors) -> str | None:
     """Name, shape and NaN/inf counts of the first tensor with a non-finite entry."""
     for name, t in named_tensors:

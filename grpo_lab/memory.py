@@ -69,13 +69,13 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD = 64 * 1024  # allocations this large get their own mapping while measuring
 METHODS = ("proc", "rusage", "cuda")
 RESULT_TAG = "@@grpo_lab.memory@@ "  # marks the worker's answer among anything else it prints
-# the capped step: 64 prompts x G=8 = 512 rows, in fresh processes (1 thread, the fixed
-# mmap threshold). A sweep of budgets: all 512 rows at once failed with 250 and 300 MiB
-# and ran with 330 MiB; in 8 micro-batches they ran with 70 MiB. 200 MiB leaves more than
-# 100 MiB on either side; the scenario gave the same verdict in 5 of 5 runs each way.
-OOM_BATCH = dict(prompts_per_step=64, group_size=8)
+# the capped step: 128 prompts x G=8 = 1024 rows, in fresh processes (1 thread, the fixed
+# mmap threshold). A sweep of budgets: all 1024 rows at once failed with 20 to 160 MiB and
+# ran with 180 and 220 MiB; in 8 micro-batches they ran with 40 to 220 MiB and failed with
+# 20. 100 MiB leaves 60 MiB below and 80 above (`python -m grpo_lab scenario memory-pressure`)
+OOM_BATCH = dict(prompts_per_step=128, group_size=8)
 OOM_FIX = dict(grad_accum_steps=8)
-OOM_BUDGET_MIB = 200.0
+OOM_BUDGET_MIB = 100.0
 
 
 def measuring_config(**overrides) -> GRPOConfig:
@@ -426,7 +426,7 @@ def capped_step(cfg: GRPOConfig, budget_mib: float = OOM_BUDGET_MIB,
 
 
 def oom_configs(device: str | None = None) -> tuple[GRPOConfig, GRPOConfig]:
-    """(broken, fixed): one step of 512 rows at once, and the same batch in 8 micro-batches."""
+    """(broken, fixed): one step of 1024 rows at once, and the same batch in 8 micro-batches."""
     broken = measuring_config(device=device, **OOM_BATCH)
     return broken, broken.replace(**OOM_FIX)
 

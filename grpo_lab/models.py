@@ -178,6 +178,20 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def fuse_gelu(model: torch.nn.Module) -> torch.nn.Module:
+    """GPT-2's 'gelu_new' is the tanh-approximated GELU written as five elementwise ops (and
+    as many again in backward); torch's gelu(approximate='tanh') is the same function in
+    one kernel. Swap it in: the same outputs to ~5e-7, ~6% less time per step on the tiny
+    model. (TRL patches its models too: a fused LM head.)"""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    for module in model.modules():
+        for name, child in module.named_children():
+            if type(child) is NewGELUActivation:
+                setattr(module, name, GELUTanh())
+    return model
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The reference model: a copy that never trains and never tracks gradients."""
     ref = copy.deepcopy(model)

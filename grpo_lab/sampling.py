@@ -1,4 +1,5 @@
-"""Sampling G completions per prompt with `model.generate`, and greedy evaluation.
+"""Sampling G completions per prompt (generate()'s loop, each prompt run once per group),
+and greedy evaluation with `model.generate`.
 
 Prompts are left-padded (so every row's last prompt token sits at the same column and
 generation appends after it) with an attention mask; position ids come from the mask.
@@ -11,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor
 
-from .objective import token_logprobs
+from .objective import position_ids_from_mask, token_logprobs
 
 
 class SamplingError(RuntimeError):
@@ -114,6 +115,51 @@ def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperatu
     return GenerationConfig(**kwargs)
 
 
+def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens,
+                temperature, top_k, top_p, safe):
+    """generate()'s sampling loop written out, with one saving: each prompt runs through the
+    model once and its G rows share its KV cache. Then one token per step for every row,
+    padding after a row's EOS, until all rows are done. Processors run in generate()'s
+    order (SanitizeLogits, temperature, top-k, top-p) and tokens are drawn with
+    torch.multinomial as generate() draws them: the same seed gives the same completions
+    (tests/test_tasks_sampling.py).
+
+    (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
+    (B, C, V) raw float32 logits each token was drawn from (before any processor)."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    processors = [SanitizeLogits()] if safe else []
+    processors.append(lambda ids, scores: scores / temperature)
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    ids, mask = prompt_ids[::group_size], prompt_mask[::group_size]  # (B/G, P)
+    positions = position_ids_from_mask(mask)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(group_size)  # (B/G, ...) -> (B, ...)
+    logits = out.logits[:, -1].float().repeat_interleave(group_size, 0)  # (B, V)
+    mask, position = prompt_mask, positions[:, -1:].repeat_interleave(group_size, 0)
+    done = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)  # (B,) row hit EOS
+    sequence, raw = prompt_ids, []
+    for t in range(max_new_tokens):
+        raw.append(logits)
+        scores = logits
+        for process in processors:
+            scores = process(sequence, scores)
+        token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)  # (B,)
+        token = torch.where(done, tokenizer.pad_token_id, token)
+        sequence = torch.cat([sequence, token[:, None]], 1)  # (B, P + t + 1)
+        done = done | (token == tokenizer.eos_token_id)
+        if t == max_new_tokens - 1 or bool(done.all()):
+            break
+        mask, position = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), position + 1
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                       past_key_values=cache, use_cache=True).logits[:, -1].float()  # (B, V)
+    return sequence[:, prompt_ids.shape[1]:], torch.stack(raw, 1)
+
+
 @torch.no_grad()
 def sample_group(
     model,
@@ -134,24 +180,17 @@ def sample_group(
         check_token_ids(prompt_ids, model.get_input_embeddings().num_embeddings, tokenizer)
     was_training = model.training
     model.eval()
-    out = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        generation_config=generation_config(
-            tokenizer, max_new_tokens, True, temperature, top_k, top_p,
-            output_logits=True, return_dict_in_generate=True,
-        ),
-        logits_processor=LogitsProcessorList([SanitizeLogits()]) if safe else None,
-    )
+    completion_ids, raw_logits = decode_loop(
+        model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature,
+        top_k, top_p, safe,
+    )  # (B, C), (B, C, V)
     model.train(was_training)
-    completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # (B, C)
-    raw_logits = torch.stack(out.logits, dim=1)  # (B, C, V) before any processor
     sampling_logprobs = token_logprobs(raw_logits / temperature, completion_ids)
     completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
     # padding carries no log-prob (where(), not *, so a NaN there cannot leak through)
     sampling_logprobs = torch.where(completion_mask.bool(), sampling_logprobs, 0.0)
     return Rollout(
-        input_ids=out.sequences,
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
         completion_mask=completion_mask,
         sampling_logprobs=sampling_logprobs,

@@ -357,8 +357,8 @@ def memory_pressure(fixed: bool) -> Outcome:
 
     broken, fix = memory.oom_configs(device="cpu")
     cfg = fix if fixed else broken
-    # a fresh process capped at its footprint after loading + 200 MiB (RLIMIT_AS); the
-    # budget sits between the measured peaks, 337 MiB at once and 63 MiB in 8 micro-batches
+    # a fresh process capped at its footprint after loading + OOM_BUDGET_MIB (RLIMIT_AS),
+    # between what all rows at once and 8 micro-batches need (see memory.OOM_BUDGET_MIB)
     result = memory.capped_step(cfg, memory.OOM_BUDGET_MIB)
     rows, budget = result["rows"], f"{result['budget_mib']:.0f} MiB allowed"
     if result["error"]:

@@ -17,7 +17,7 @@ out_dir = sys.argv[2]
 trainer = None
 for i, case in enumerate(cases):
     if trainer is not None:
-        trainer.model = trainer.policy  # drop the last case's DDP wrapper first
+        trainer.model = trainer.model.module  # drop the last case's DDP wrapper first
     trainer = Trainer(case["config"])
     trainer.policy.load_state_dict(case["initial_policy"])
     batch = case["batch"]

@@ -102,3 +102,22 @@ def test_completion_longer_than_the_model_is_refused(tiny):
     with pytest.raises(ConfigError, match="max_new_tokens must be <= 26"):
         Trainer(preset("stable", max_new_tokens=27), model, tok)
     Trainer(preset("stable", max_new_tokens=26), model, tok)
+
+
+def test_fused_gelu_is_the_same_function(tiny):
+    """fuse_gelu swaps GPT-2's five-op gelu_new for torch's one-kernel tanh GELU: every
+    activation module replaced, the logits the same to float32 rounding."""
+    import copy
+
+    from transformers.activations import NewGELUActivation
+
+    from grpo_lab.models import fuse_gelu
+
+    model, tok = tiny
+    ids = tok(["12+34=5", "1+2=3"], return_tensors="pt", padding=True).input_ids
+    fused = fuse_gelu(copy.deepcopy(model))
+    assert not any(isinstance(m, NewGELUActivation) for m in fused.modules())
+    assert any(isinstance(m, NewGELUActivation) for m in model.modules())
+    with torch.no_grad():
+        diff = (fused(ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-4, diff

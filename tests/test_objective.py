@@ -509,3 +509,27 @@ def test_unknown_loss_type_raises():
         token_weights(mask, "sequence_mean", C)
     with pytest.raises(ValueError):
         aggregate(torch.zeros_like(mask), mask, "GRPO")
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(1, 10)], ids=["groups", "split-groups"])
+def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
+    """share_prompts runs each distinct prompt once: same logits, same gradients, also for
+    a micro-batch that cuts through groups."""
+    from grpo_lab.objective import completion_logits
+    from grpo_lab.sampling import sample_group
+
+    model, tok = tiny
+    r = sample_group(model, tok, ["1+2=", "12+34=", "5+67="], 4, 5)  # left-padded groups
+    ids, attn, C = r.input_ids[rows], r.attention_mask[rows], r.completion_length
+    m = r.completion_mask[rows].bool()
+    weights = torch.randn(m.shape) * m
+
+    def logits_and_grad(share: bool):
+        model.zero_grad(set_to_none=True)
+        logits = completion_logits(model, ids, attn, C, 0.7, share_prompts=share)
+        (logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1) * weights).sum().backward()
+        return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    (full, g_full), (shared, g_shared) = logits_and_grad(False), logits_and_grad(True)
+    assert ((full - shared).abs() * m[..., None]).max() < 1e-5
+    assert (g_full - g_shared).norm() / g_full.norm() < 1e-5

@@ -113,3 +113,33 @@ def test_generation_flags_go_to_generate_not_around_it(tiny):
         sample_group(model, tok, ["1+2="], 2, 5, temperature=0.7, top_k=5, top_p=0.9),
     ))
     assert "generation flags" not in ours
+
+
+@pytest.mark.parametrize("flags", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)],
+                         ids=["plain", "temperature-topk-topp"])
+@pytest.mark.parametrize("safe", [False, True], ids=["unsafe", "safe"])
+def test_sampling_loop_draws_what_generate_draws(tiny, flags, safe):
+    """sample_group's loop (each prompt run once per group) and model.generate with the
+    same flags and seed give the same completions and the same sampling log-probs."""
+    from transformers import LogitsProcessorList
+
+    from grpo_lab.objective import token_logprobs
+    from grpo_lab.sampling import SanitizeLogits, generation_config
+
+    model, tok = tiny
+    prompts, G, n_new = ["1+2=", "12+34=", "5+67="], 4, 6  # left-padded prompts
+    torch.manual_seed(3)
+    ours = sample_group(model, tok, prompts, G, n_new, safe=safe, **flags)
+    ids, mask = encode_prompts(tok, [p for p in prompts for _ in range(G)], "cpu")
+    torch.manual_seed(3)
+    out = model.eval().generate(
+        input_ids=ids, attention_mask=mask,
+        generation_config=generation_config(tok, n_new, True, **flags, output_logits=True,
+                                            return_dict_in_generate=True),
+        logits_processor=LogitsProcessorList([SanitizeLogits()]) if safe else None,
+    )
+    assert torch.equal(ours.input_ids, out.sequences)
+    theirs = token_logprobs(torch.stack(out.logits, 1) / flags["temperature"],
+                            out.sequences[:, ids.shape[1]:])
+    m = ours.completion_mask.bool()
+    assert (ours.sampling_logprobs - theirs)[m].abs().max() < 1e-5

@@ -1,6 +1,7 @@
 """The trainer: accumulation equals the full batch, sampling and training log-probs agree,
 resume is exact, the presets do what the course says they do."""
 
+import copy
 import math
 
 import pytest
@@ -278,3 +279,18 @@ def test_spike_rule_skips_a_spike_but_absorbs_a_lasting_shift(tiny):
     assert update_with_norm(1000.0) == 1  # a spike is skipped
     skips = [update_with_norm(100.0) for _ in range(20)]  # the scale really changed
     assert skips[-1] == 0 and sum(skips) < 10
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3e38], ids=["nan", "inf", "huge"])
+def test_health_count_is_exact_behind_the_fast_check(tiny, value):
+    """The one-kernel finiteness check (a norm per tensor) only decides 'all finite'; a NaN,
+    an inf, or finite values whose norm overflows get the exact count."""
+    from grpo_lab.health import all_finite, nonfinite_params
+
+    model, _ = tiny
+    model = copy.deepcopy(model)
+    assert all_finite(model) and nonfinite_params(model) == 0
+    with torch.no_grad():
+        model.transformer.wte.weight[0, :2] = value
+    assert not all_finite(model)
+    assert nonfinite_params(model) == (0 if value == 3e38 else 2)
