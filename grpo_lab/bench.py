@@ -2,8 +2,10 @@
 
     python -m grpo_lab.bench [--steps 150] [--seeds 3] [--threads 1] [--device cpu]
     python -m grpo_lab.bench --steps 3 --seeds 1   # smoke test
+    python -m grpo_lab.bench --profile gpu --device cuda --steps 50   # GPT-2 124M on a GPU
 
-Both sides start from the same weights (the shipped tiny GPT-2), see the same prompts in
+Both sides start from the same weights (the profile's model: the shipped tiny GPT-2, or
+GPT-2 124M with `--profile gpu`), see the same prompts in
 the same order (grpo_lab's seeded ProblemStream, handed to TRL as an unshuffled dataset),
 score them with the same reward (`tasks.addition_reward`, already in TRL's signature) and
 use the same G, completion cap, temperature, learning rate, beta and grad clipping. Each
@@ -12,6 +14,12 @@ machine load hits both alike), so its peak memory is its own and the two never c
 for the CPU. Accuracy is measured identically on both: greedy `sampling.greedy_accuracy`
 on `tasks.eval_problems(256)`, averaged over the seeds, since one run's accuracy after
 150 steps moves by several points from seed to seed.
+
+Throughput: completion tokens per second, and model FLOPs utilisation (MFU): the FLOPs the
+step's work needs, counted the same way for both sides (`model_flops_per_step`), over the
+time it took and the device's peak (`--peak-tflops`, or the known fp32 peak of the GPU;
+none on CPU). Running a prompt once per group saves grpo_lab work that this count still
+credits, as MFU conventionally counts the model's work, not the implementation's.
 
 Figures are printed, never asserted: on a shared machine the timings are noisy; the CPU
 seconds per step (not counting time other jobs hold the core) are the steadier figure.
@@ -30,8 +38,13 @@ import time
 
 RESULT = "BENCH_RESULT "  # prefix of the one JSON line a side prints on stdout
 SIDES = ("grpo_lab", "TRL")
+MODEL_NAMES = {"cpu": "tiny GPT-2", "gpu": "GPT-2 124M"}
 EVAL_SIZE = 256
 PROGRESS_EVERY = 10  # steps between progress lines
+# dense float32 peaks (TFLOP/s, no tensor-core TF32: both sides train in float32 at torch's
+# default matmul precision), by a substring of torch.cuda.get_device_name(); NVIDIA data sheets
+PEAK_FP32_TFLOPS = {"H200": 67.0, "H100 PCIe": 51.0, "H100": 67.0, "A100": 19.5, "L4": 30.3,
+                    "A10G": 31.2, "T4": 8.1}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,6 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch intra-op threads per side, the same for both (1: on a shared "
                          "2-core machine two spinning threads run the tiny model far slower)")
     ap.add_argument("--device", default="cpu", help="'cpu' or 'cuda'")
+    ap.add_argument("--profile", default="cpu",
+                    help="'cpu' (the shipped tiny GPT-2) or 'gpu' (GPT-2 124M; needs --device cuda)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak TFLOP/s for MFU (default: the known float32 peak of "
+                         "the GPU; on CPU no MFU is printed without it)")
     ap.add_argument("--json", metavar="FILE", help="also write every figure, per side, as JSON")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
     args = ap.parse_args(argv)
@@ -57,6 +75,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--seed must be an integer >= 0 (got {args.seed})")
     if args.device not in ("cpu", "cuda"):
         ap.error(f"--device must be 'cpu' or 'cuda' (got {args.device!r})")
+    if args.profile not in ("cpu", "gpu"):
+        ap.error(f"--profile must be 'cpu' or 'gpu' (got {args.profile!r})")
+    if args.profile == "gpu" and args.device != "cuda":
+        ap.error("--profile gpu (GPT-2 124M) needs --device cuda")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        ap.error(f"--peak-tflops must be a number > 0 (got {args.peak_tflops})")
     return args
 
 
@@ -65,8 +89,46 @@ def bench_config(args: argparse.Namespace):
     knobs it shares with it from this config."""
     from .config import preset
 
-    return preset("stable", seed=args.seed, steps=args.steps, profile="cpu", device=args.device,
-                  eval_every=0, eval_size=EVAL_SIZE, checkpoint_every=0)
+    return preset("stable", seed=args.seed, steps=args.steps, profile=args.profile,
+                  device=args.device, eval_every=0, eval_size=EVAL_SIZE, checkpoint_every=0)
+
+
+def model_flops_per_step(n_params: int, rows: int, tokens_per_row: float, beta: float,
+                         num_iterations: int) -> float:
+    """FLOPs one GRPO step's work needs, by the usual count of 2 per parameter per token
+    forward and 6 forward + backward (attention's T^2 term, small for these short rows,
+    left out): sampling and, with beta > 0, the reference are forwards over every row's
+    prompt and completion; training is num_iterations forward + backward passes.
+    n_params: the parameters a token's forward multiplies by (see matmul_params)."""
+    passes = 2 + (2 if beta > 0 else 0) + 6 * num_iterations
+    return passes * n_params * rows * tokens_per_row
+
+
+def matmul_params(model) -> int:
+    """Parameters counted once (the tied LM head is the embedding matrix, used as a matmul),
+    less the position embeddings, which are only looked up."""
+    wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's
+    return sum(p.numel() for p in model.parameters()) - (wpe.weight.numel() if wpe else 0)
+
+
+def mean_prompt_tokens(tokenizer, cfg) -> float:
+    """Mean tokens per prompt over the run's prompts (ProblemStream(seed), in order)."""
+    from .tasks import ProblemStream
+
+    problems = ProblemStream(cfg.seed).sample(cfg.prompts_per_step * cfg.steps)
+    ids = tokenizer([p.prompt for p in problems], add_special_tokens=False).input_ids
+    return sum(map(len, ids)) / len(ids)
+
+
+def peak_tflops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    if args.device != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FP32_TFLOPS.items() if k in name), None)
 
 
 # ---- the two sides, each in its own process ------------------------------------------------
@@ -77,15 +139,16 @@ class Progress:
 
     def __init__(self, side: str, total: int):
         self.side, self.total = side, total
-        self.times, self.cpu_times, self.rewards = [], [], []
+        self.times, self.cpu_times, self.rewards, self.tokens = [], [], [], []
         self.start = time.perf_counter()
         self.last_wall, self.last_cpu = None, None
 
     def begin(self) -> None:
         self.last_wall, self.last_cpu = time.perf_counter(), time.process_time()
 
-    def step_done(self, reward: float) -> None:
+    def step_done(self, reward: float, completion_tokens: float) -> None:
         wall, cpu = time.perf_counter(), time.process_time()
+        self.tokens.append(completion_tokens)
         self.times.append(wall - self.last_wall)
         self.cpu_times.append(cpu - self.last_cpu)
         self.last_wall, self.last_cpu = wall, cpu
@@ -99,7 +162,7 @@ class Progress:
 
     def figures(self) -> dict:
         return {"times": self.times, "cpu_times": self.cpu_times, "rewards": self.rewards,
-                "reward_last10": statistics.mean(self.rewards[-10:])}
+                "tokens": self.tokens, "reward_last10": statistics.mean(self.rewards[-10:])}
 
 
 def distance(model, start: list) -> float:
@@ -128,6 +191,7 @@ def run_grpo_lab(args: argparse.Namespace) -> dict:
     trainer = Trainer(cfg)
     start = [p.detach().clone() for p in trainer.policy.parameters()]
     acc0 = trainer.evaluate()
+    rows = cfg.prompts_per_step * cfg.group_size
     progress = Progress(f"grpo_lab seed {cfg.seed}", cfg.steps)
     sync = _device_sync(args.device)
     # the last step also runs the trainer's end-of-run eval; the median step ignores it
@@ -135,9 +199,10 @@ def run_grpo_lab(args: argparse.Namespace) -> dict:
         progress.begin()
         m = trainer.step()
         sync()
-        progress.step_done(m["reward"])
+        progress.step_done(m["reward"], m["completions/mean_length"] * rows)
     return {**progress.figures(), "acc0": acc0, "acc": trainer.evaluate(),
-            "moved": distance(trainer.policy, start)}
+            "moved": distance(trainer.policy, start), "matmul_params": matmul_params(trainer.policy),
+            "prompt_tokens": mean_prompt_tokens(trainer.tokenizer, cfg)}
 
 
 def run_trl(args: argparse.Namespace) -> dict:
@@ -161,7 +226,8 @@ def run_trl(args: argparse.Namespace) -> dict:
         trainer.train()
     acc = greedy_accuracy(trainer.model, tokenizer, eval_set, cfg.max_new_tokens)
     return {**timer.progress.figures(), "acc0": acc0, "acc": acc,
-            "moved": distance(trainer.model, start)}
+            "moved": distance(trainer.model, start), "matmul_params": matmul_params(trainer.model),
+            "prompt_tokens": mean_prompt_tokens(tokenizer, cfg)}
 
 
 def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
@@ -236,8 +302,11 @@ def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
 
         def on_step_end(self, args, state, control, **kwargs):
             self.sync()
-            # this step's mean reward; TRL empties _metrics when it logs, after this hook
-            self.progress.step_done(trainer._metrics["train"]["reward"][-1])
+            # this step's mean reward and completion length; TRL empties _metrics when it
+            # logs, after this hook
+            metrics = trainer._metrics["train"]
+            self.progress.step_done(metrics["reward"][-1], metrics["completions/mean_length"][-1]
+                                    * cfg.prompts_per_step * cfg.group_size)
 
     timer = Timer()
     with quiet_loading():  # TRL loads the reference from the model's directory
@@ -272,8 +341,9 @@ def run_side(args: argparse.Namespace) -> int:
 def spawn(side: str, seed: int, args: argparse.Namespace) -> dict:
     """Run one side for one seed in a fresh process; its result dict."""
     cmd = [sys.executable, "-m", "grpo_lab.bench", "--side", side, "--steps", str(args.steps),
-           "--seed", str(seed), "--threads", str(args.threads), "--device", args.device]
-    env = {**os.environ, "GRPO_LAB_PROFILE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+           "--seed", str(seed), "--threads", str(args.threads), "--device", args.device,
+           "--profile", args.profile]
+    env = {**os.environ, "GRPO_LAB_PROFILE": args.profile, "TOKENIZERS_PARALLELISM": "false"}
     print(f"[{side} seed {seed}] training {args.steps} steps ...", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: progress
     lines = [line for line in p.stdout.splitlines() if line.startswith(RESULT)]
@@ -286,7 +356,9 @@ def spawn(side: str, seed: int, args: argparse.Namespace) -> dict:
 def merge(runs: list[dict]) -> dict:
     """One side's runs (one per seed) -> its figures: step times pooled over the runs,
     the largest peak memory, accuracies and rewards per seed."""
-    out = {key: [t for r in runs for t in r[key]] for key in ("times", "cpu_times")}
+    out = {key: [t for r in runs for t in r[key]] for key in ("times", "cpu_times", "tokens")}
+    out["matmul_params"] = runs[0]["matmul_params"]
+    out["prompt_tokens"] = statistics.mean(r["prompt_tokens"] for r in runs)
     out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
     if "peak_cuda_mib" in runs[0]:
         out["peak_cuda_mib"] = max(r["peak_cuda_mib"] for r in runs)
@@ -304,21 +376,33 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
     per_step = cfg.prompts_per_step * cfg.group_size
     cuda = args.device == "cuda"
     mean = statistics.mean
-    head = ["side", "s/step", "CPU s/step", "compl/s", "peak RSS", "eval accuracy", "reward"]
-    unit = ["", "median", "median", "", "MiB", f"step 0 -> {cfg.steps}", "last 10"]
+    peak = peak_tflops(args)
+    head = ["side", "s/step", "CPU s/step", "compl/s", "tok/s", "MFU", "peak RSS",
+            "eval accuracy", "reward"]
+    unit = ["", "median", "median", "", "median", "median", "MiB", f"step 0 -> {cfg.steps}",
+            "last 10"]
     if cuda:
-        head.insert(5, "peak CUDA")
-        unit.insert(5, "MiB")
+        head.insert(7, "peak CUDA")
+        unit.insert(7, "MiB")
     rows = [head, unit]
     for side in SIDES:
         r = results[side]
         wall = statistics.median(r["times"])
+        # per step: completion tokens, and the model FLOPs of prompt + completion tokens
+        tok_s = statistics.median(n / t for n, t in zip(r["tokens"], r["times"], strict=True))
+        mfu = "n/a"
+        if peak is not None:
+            flops = [model_flops_per_step(r["matmul_params"], per_step,
+                                          r["prompt_tokens"] + n / per_step, cfg.beta,
+                                          cfg.num_iterations) for n in r["tokens"]]
+            achieved = statistics.median(f / t for f, t in zip(flops, r["times"], strict=True))
+            mfu = f"{100 * achieved / (peak * 1e12):.2f}%"
         row = [side, f"{wall:.3f}", f"{statistics.median(r['cpu_times']):.3f}",
-               f"{per_step / wall:.0f}", f"{r['peak_rss_mib']:.0f}",
+               f"{per_step / wall:.0f}", f"{tok_s:.0f}", mfu, f"{r['peak_rss_mib']:.0f}",
                f"{mean(r['acc0']):.3f} -> {mean(r['acc']):.3f}",
                f"{mean(r['reward_last10']):.2f}"]
         if cuda:
-            row.insert(5, f"{r['peak_cuda_mib']:.0f}")
+            row.insert(7, f"{r['peak_cuda_mib']:.0f}")
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -335,7 +419,7 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
     return "\n".join([
         f"grpo_lab vs TRL {trl.__version__}: torch {torch.__version__}, {args.device}, "
         f"{args.threads} thread(s) per side, {os.cpu_count()} cores",
-        f"tiny GPT-2, addition, stable preset, {cfg.steps} steps x {cfg.prompts_per_step} "
+        f"{MODEL_NAMES[args.profile]}, addition, stable preset, {cfg.steps} steps x {cfg.prompts_per_step} "
         f"prompts x G={cfg.group_size} = {per_step} completions/step, max "
         f"{cfg.max_new_tokens} new tokens, T={cfg.temperature:g}, lr {cfg.learning_rate:g} "
         f"(constant), beta {cfg.beta:g}, loss {cfg.loss_type}, max_grad_norm "
@@ -343,6 +427,10 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
         "",
         *table,
         *(per_seed if len(seeds) > 1 else []),
+        "  MFU: " + (f"model FLOPs over a peak of {peak:g} TFLOP/s" if peak else
+                     "n/a, no peak known for this device (give --peak-tflops)")
+        + f"; the FLOPs count {results['grpo_lab']['matmul_params'] / 1e6:.1f} M matmul "
+        f"parameters and {results['grpo_lab']['prompt_tokens']:.1f} prompt tokens per row",
         "",
         f"CPU time ratio (grpo_lab/TRL): {ratio('cpu_times'):.3f}",
         f"step time ratio (grpo_lab/TRL): {ratio('times'):.3f}",

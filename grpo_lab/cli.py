@@ -103,6 +103,9 @@ def build_parser() -> Parser:
     scen.add_argument("name", nargs="?", help="scenario name (see --list)")
     scen.add_argument("--list", action="store_true", help="list the scenarios")
     scen.add_argument("--fixed", action="store_true", help="run the fix instead of the bug")
+    scen.add_argument("--device", default=None,
+                      help="run it on this device ('cuda') in a fresh process; for the "
+                           "scenarios that fail in the device's kernels (000, 002)")
 
     sub.add_parser("reliability", help="run every scenario, fault, bad input and resume check")
     grade = sub.add_parser("grade", help="grade submitted notebooks with the exercise checkers")
@@ -116,13 +119,11 @@ def build_parser() -> Parser:
     nbs = sub.add_parser("notebooks", help="execute solutions/ notebooks and store outputs")
     nbs.add_argument("paths", nargs="*", help="notebooks (default: solutions/*.ipynb)")
 
-    mem = sub.add_parser("memory", help="peak memory of one step against batch, G, completion "
-                                        "length, accumulation and activation checkpointing")
-    mem.add_argument("--quick", action="store_true", help="fewer rows")
-    mem.add_argument("--device", default=None, help="cpu or cuda (default: cuda when "
-                                                    "available, else cpu)")
-    mem.add_argument("--json", default=None, help="also write the rows as JSON here")
-    # listed for --help only: main() hands everything after "bench" to bench.main
+    # listed for --help only: main() hands everything after "memory" or "bench" to their
+    # own parsers (each also runs as python -m grpo_lab.memory / grpo_lab.bench)
+    sub.add_parser("memory", help="peak memory of one step against batch, G, completion "
+                                  "length, accumulation and activation checkpointing "
+                                  "(python -m grpo_lab memory --help)")
     sub.add_parser("bench", help="grpo_lab against TRL's GRPOTrainer on the same work "
                                  "(python -m grpo_lab bench --help)")
 
@@ -252,16 +253,41 @@ def cmd_scenario(args) -> int:
 
         print("\n\n".join(describe(s) for s in CATALOG.values()))
         return 0
-    from .scenarios import CATALOG, describe, run_scenario
+    from .scenarios import CATALOG, Outcome, describe, run_scenario
 
     if args.name not in CATALOG:
         raise UsageError(f"unknown scenario {args.name!r}; allowed: {', '.join(CATALOG)}")
+    if args.device is not None:
+        from .scenarios import DEVICE_SCENARIOS, run_on_device
+
+        if args.name not in DEVICE_SCENARIOS:
+            raise UsageError(f"--device: scenario {args.name!r} runs on CPU only; allowed "
+                             f"with --device: {', '.join(DEVICE_SCENARIOS)}")
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise UsageError(f"--device must be 'cpu', 'cuda' or 'cuda:N' (got {args.device!r})"
+                             ) from None
+        if device.type not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be 'cpu', 'cuda' or 'cuda:N' (got {args.device!r})")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
     print(describe(CATALOG[args.name]))
-    outcome = run_scenario(args.name, fixed=args.fixed)
+    after = None
+    if args.device is None:
+        outcome = run_scenario(args.name, fixed=args.fixed)
+    else:
+        result = run_on_device(args.name, args.fixed, args.device)
+        outcome, after = Outcome(result["symptom"], result["evidence"]), result["after"]
     side = "fixed" if args.fixed else "broken"
     expected = outcome.symptom != args.fixed
     verdict = ("symptom reproduced" if outcome.symptom else "symptom gone")
     print(f"\n[{side}] {verdict}: {outcome.evidence}")
+    if after is not None:
+        print(f"[{side}] on {args.device}, in a fresh process; the next operation on the "
+              f"device there: {after}")
     if not expected:
         print(f"unexpected: the {side} variant should "
               f"{'not ' if args.fixed else ''}show the symptom", file=sys.stderr)
@@ -278,10 +304,14 @@ def cmd_build_model(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # its own parser (it also runs as python -m grpo_lab.bench)
+    if argv[:1] == ["bench"]:
         from .bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["memory"]:
+        from .memory import main as memory
+
+        return memory(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -303,11 +333,6 @@ def main(argv: list[str] | None = None) -> int:
             from .notebooks import main as notebooks
 
             return notebooks(args.paths)
-        if args.command == "memory":
-            from .memory import main as memory
-
-            return memory(["--quick"] * args.quick + ["--device", args.device] * bool(args.device)
-                          + ["--json", args.json] * bool(args.json))
         if args.command == "reliability":
             from .reliability import main as reliability
 

@@ -312,16 +312,19 @@ def format_table(rows: list[dict]) -> str:
 
 def memory_table(quick: bool = False, device: str | None = None,
                  base: GRPOConfig | None = None, method: str | None = None,
-                 show: bool = True) -> list[dict]:
+                 show: bool = True, profile: str | None = None) -> list[dict]:
     """Measure every row of `table_configs` and (with `show`) print the table.
 
     Each row: the name, the factors (prompts_per_step, group_size, rows = prompts x G,
     max_new_tokens, completion_length C as sampled, grad_accum_steps,
     gradient_checkpointing), 'peak_mib' above the idle baseline, 'ratio' to the
-    baseline row's peak, 'idle_mib' and 'method'."""
+    baseline row's peak, 'idle_mib' and 'method'. `profile` 'gpu' measures GPT-2 124M
+    instead of the tiny model."""
     named = table_configs(quick, base)
     if device is not None:
         named = [(n, c.replace(device=device)) for n, c in named]
+    if profile is not None:
+        named = [(n, c.replace(profile=profile)) for n, c in named]
     measured = measure_configs([c for _, c in named], method)
     rows = []
     for (name, cfg), m in zip(named, measured, strict=True):
@@ -330,14 +333,16 @@ def memory_table(quick: bool = False, device: str | None = None,
                      "rows": cfg.prompts_per_step * cfg.group_size,
                      "max_new_tokens": cfg.max_new_tokens,
                      "grad_accum_steps": cfg.grad_accum_steps,
-                     "gradient_checkpointing": cfg.gradient_checkpointing, **m})
+                     "gradient_checkpointing": cfg.gradient_checkpointing,
+                     "profile": cfg.profile, **m})
     for r in rows:
         r["ratio"] = r["peak_mib"] / rows[0]["peak_mib"]
     if show:
         m = rows[0]
         where = {"proc": "peak RSS (VmHWM)", "rusage": "peak RSS (ru_maxrss)",
                  "cuda": "torch.cuda.max_memory_allocated"}[m["method"]]
-        print(f"peak memory of one Trainer.step() above the idle baseline ({where}; "
+        model = {"cpu": "tiny GPT-2", "gpu": "GPT-2 124M"}.get(m["profile"], m["profile"])
+        print(f"peak memory of one Trainer.step() of {model} above the idle baseline ({where}; "
               f"idle {m['idle_mib']:.0f} MiB after loading the policy, reference and "
               f"optimizer)")
         print(format_table(rows))
@@ -448,22 +453,30 @@ def main(argv: list[str] | None = None) -> int:
     from .cli import Parser, UsageError  # one line and exit 2 for a bad flag
 
     parser = Parser(
-        prog="python -m grpo_lab.memory",
+        prog="python -m grpo_lab memory",
         description="peak memory of one GRPO step: batch, G, max_new_tokens, gradient "
                     "accumulation, activation checkpointing",
     )
     parser.add_argument("--quick", action="store_true", help="four rows instead of nine")
     parser.add_argument("--device", default=None, help="'cpu', 'cuda', 'cuda:1'; default: "
                         "cuda when available, else cpu")
+    parser.add_argument("--profile", default=None, help="'cpu' (the tiny GPT-2) or 'gpu' "
+                        "(GPT-2 124M); default: gpu on a CUDA device, else cpu")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     try:
         args = parser.parse_args(argv)
         if args.worker:
             return _worker_main()
-        rows = memory_table(quick=args.quick, device=args.device)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        profile = args.profile or ("gpu" if device.startswith("cuda") else "cpu")
+        if profile not in ("cpu", "gpu"):
+            raise UsageError(f"--profile must be 'cpu' or 'gpu' (got {profile!r})")
+        if profile == "gpu" and not device.startswith("cuda"):
+            raise UsageError("--profile gpu (GPT-2 124M) needs a CUDA device (--device cuda)")
+        rows = memory_table(quick=args.quick, device=device, profile=profile)
     except (UsageError, ConfigError) as e:
-        print(f"grpo_lab.memory: error: {e}", file=sys.stderr)
+        print(f"grpo_lab memory: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -174,10 +174,11 @@ def sample_group(
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (rows grouped by prompt)."""
     device = next(model.parameters()).device
-    repeated = [p for p in prompts for _ in range(group_size)]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, repeated, device)  # (B, P)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (B/G, P)
     if safe:
         check_token_ids(prompt_ids, model.get_input_embeddings().num_embeddings, tokenizer)
+    # each prompt's row repeated G times, rows grouped by prompt: (B, P)
+    prompt_ids, prompt_mask = (t.repeat_interleave(group_size, 0) for t in (prompt_ids, prompt_mask))
     was_training = model.training
     model.eval()
     completion_ids, raw_logits = decode_loop(

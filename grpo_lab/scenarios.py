@@ -2,13 +2,16 @@
 
 Each scenario runs the broken variant (`fixed=False`) or its fix (`fixed=True`) on CPU,
 deterministically, and returns what it saw: the real error text or the metric that shows
-the symptom. `python -m grpo_lab scenario --list | NAME [--fixed]` runs them.
+the symptom. `python -m grpo_lab scenario --list | NAME [--fixed]` runs them. The two
+that fail inside the device's kernels (DEVICE_SCENARIOS) also run on a GPU, each in a fresh
+process: `python -m grpo_lab scenario NAME --device cuda` (run_on_device).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import subprocess
@@ -46,11 +49,23 @@ def _error_text(fn: Callable[[], object]) -> str | None:
     return None
 
 
+# the scenarios that touch the device's kernels, run in a fresh process by run_on_device
+# (on CUDA their failure is a device-side assert, which leaves the process's CUDA context
+# unusable); there the child reads its device from this variable, everything else is CPU
+DEVICE_SCENARIOS = ("nan-params-sampling-crash", "pad-token-vocab-mismatch")
+DEVICE_ENV = "GRPO_LAB_SCENARIO_DEVICE"
+
+
+def _device() -> torch.device:
+    return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
+
+
 def _tiny():
     from .models import load_policy
 
     torch.manual_seed(0)
-    return load_policy("cpu")
+    model, tok = load_policy("cpu")
+    return model.to(_device()), tok
 
 
 # --- 000: NaN parameters -> sampling crash in round 2 ------------------------------------
@@ -82,8 +97,9 @@ def pad_token_vocab_mismatch(fixed: bool) -> Outcome:
     tok.add_special_tokens({"pad_token": "<new-pad>"})  # id == vocab size: no embedding row
     if fixed:
         model.resize_token_embeddings(len(tok), mean_resizing=False)
-    ids, mask = encode_prompts(tok, ["1+2=", "12+34="], torch.device("cpu"))
-    err = _error_text(lambda: model(input_ids=ids, attention_mask=mask))
+    ids, mask = encode_prompts(tok, ["1+2=", "12+34="], _device())
+    # .sum().item(): on CUDA the lookup's failure surfaces when its result is read
+    err = _error_text(lambda: model(input_ids=ids, attention_mask=mask).logits.sum().item())
     if err:
         return Outcome(True, f"pad id {tok.pad_token_id}, embedding rows "
                              f"{model.get_input_embeddings().num_embeddings}: {err}")
@@ -486,6 +502,36 @@ def run_scenario(name: str, fixed: bool = False) -> Outcome:
     if name not in CATALOG:
         raise KeyError(f"unknown scenario {name!r}; see `python -m grpo_lab scenario --list`")
     return CATALOG[name].run(fixed)
+
+
+_DEVICE_CHILD = """
+import json, sys, torch
+from grpo_lab.scenarios import _device, _error_text, run_scenario
+outcome = run_scenario(sys.argv[1], fixed=sys.argv[2] == "fixed")
+after = _error_text(lambda: torch.ones(2, device=_device()).sum().item())
+print("@@scenario@@ " + json.dumps({"symptom": outcome.symptom, "evidence": outcome.evidence,
+                                    "after": after or "works"}))
+"""
+
+
+def run_on_device(name: str, fixed: bool, device: str, timeout: float = 600) -> dict:
+    """Run scenario `name` (one of DEVICE_SCENARIOS) on `device` in a fresh process, then
+    one more operation on the device in that process. Returns {'symptom', 'evidence',
+    'after': that operation's error, or 'works', 'returncode'}. On CUDA the broken side's
+    evidence is the device-side assert and 'after' shows the context stays broken."""
+    if name not in DEVICE_SCENARIOS:
+        raise ValueError(f"scenario {name!r} runs on CPU only; on a device: "
+                         f"{', '.join(DEVICE_SCENARIOS)}")
+    torch.device(device)  # a bad device string fails here, in one line
+    env = {**os.environ, DEVICE_ENV: device}
+    p = subprocess.run([sys.executable, "-c", _DEVICE_CHILD, name, "fixed" if fixed else "broken"],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("@@scenario@@ ")]
+    if not lines:
+        tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"scenario {name!r} on {device}: the process exited with code "
+                           f"{p.returncode} before reporting: {tail}")
+    return {**json.loads(lines[-1].split(" ", 1)[1]), "returncode": p.returncode}
 
 
 def describe(s: Scenario) -> str:

@@ -4,6 +4,7 @@ the promised format. No timing is asserted (the figures are printed, not tested)
 import json
 import math
 import re
+import statistics
 
 import pytest
 
@@ -14,7 +15,8 @@ NUMBER = r"[-+]?\d+\.\d+"
 
 def test_quick_mode_trains_both_sides(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--steps", "2", "--seeds", "1", "--json", str(out)]) == 0
+    assert bench.main(["--steps", "2", "--seeds", "1", "--json", str(out),
+                       "--peak-tflops", "0.5"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(rf"step time ratio \(grpo_lab/TRL\): {NUMBER}", lines[-2]), lines[-2]
     assert re.fullmatch(rf"accuracy delta \(grpo_lab - TRL\): {NUMBER}", lines[-1]), lines[-1]
@@ -31,14 +33,37 @@ def test_quick_mode_trains_both_sides(tmp_path, capsys):
         assert r["moved"][0] > 0, f"{side}: the parameters did not change"
         assert 0 <= r["acc"][0] <= 1 and r["peak_rss_mib"] > 0, side
         assert r["acc0"][0] == figures["grpo_lab"]["acc0"][0]  # the same start, the same eval
+        assert len(r["tokens"]) == 2 and all(0 < n <= 64 * 5 for n in r["tokens"]), side
+        # the printed MFU is the model FLOPs of the recorded steps over the given peak
+        flops = [bench.model_flops_per_step(r["matmul_params"], 64, r["prompt_tokens"] + n / 64,
+                                            0.01, 1) for n in r["tokens"]]
+        want = 100 * statistics.median(f / t for f, t in zip(flops, r["times"], strict=True)) / 0.5e12
+        mfu = rows[side].split()[5]
+        assert mfu.endswith("%") and abs(float(mfu[:-1]) - want) < 0.006, (mfu, want)
+    assert figures["grpo_lab"]["matmul_params"] == figures["TRL"]["matmul_params"]
+    assert figures["grpo_lab"]["prompt_tokens"] == figures["TRL"]["prompt_tokens"] > 3
 
 
 @pytest.mark.parametrize("argv, field", [
     (["--steps", "0"], "--steps"),
     (["--seeds", "-1"], "--seeds"),
     (["--device", "tpu"], "--device"),
+    (["--profile", "big"], "--profile"),
+    (["--profile", "gpu"], "--device cuda"),
+    (["--peak-tflops", "0"], "--peak-tflops"),
 ])
 def test_bad_arguments_are_refused_with_one_line(argv, field, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and field in err, err
+
+
+def test_model_flops_count_the_step_s_passes(tiny):
+    """2 FLOPs per parameter per token and forward, 6 with the backward: sampling, the
+    reference (only with beta > 0), and mu training passes; position embeddings are looked
+    up, not multiplied."""
+    model, _ = tiny
+    n = bench.matmul_params(model)
+    assert n == sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
+    assert bench.model_flops_per_step(n, 64, 10.0, 0.04, 1) == 10 * n * 640
+    assert bench.model_flops_per_step(n, 64, 10.0, 0.0, 2) == 14 * n * 640

@@ -28,7 +28,9 @@ def test_quick_mode_prints_the_table(quick):
     header = printed.splitlines()[1]
     for column in memory.COLUMNS:
         assert column in header
+    assert "of tiny GPT-2" in printed.splitlines()[0]
     for name, row in rows.items():
+        assert row["profile"] == "cpu"
         assert name in printed and f"{row['peak_mib']:.1f}" in printed
         assert row["method"] == "proc" and row["idle_mib"] > 50  # torch + the model, in MiB
     assert rows["baseline"]["ratio"] == 1.0
@@ -44,9 +46,10 @@ def test_bigger_batch_needs_more_memory(quick):
 def test_accumulation_and_checkpointing_need_less(quick):
     rows = quick[2]
     # the same 256 rows: 4 micro-batches hold a quarter of the activations at a time;
-    # checkpointing keeps one tensor per block instead of all of them
+    # checkpointing keeps one tensor per block instead of all of them (and gives up the
+    # shared prompt forward, whose keys and values it would have to keep: measured 0.70x)
     assert rows["accum 4"]["peak_mib"] < 0.6 * rows["baseline"]["peak_mib"]
-    assert rows["checkpointing"]["peak_mib"] < 0.7 * rows["baseline"]["peak_mib"]
+    assert rows["checkpointing"]["peak_mib"] < 0.85 * rows["baseline"]["peak_mib"]
 
 
 def test_the_reset_between_measurements_is_real(quick):
@@ -71,6 +74,10 @@ def test_maxrss_units():
 def test_bad_input_is_refused_with_its_name(capsys):
     assert memory.main(["--device", "tpu"]) == 2
     assert "device must be 'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err
+    assert memory.main(["--profile", "big", "--device", "cpu"]) == 2
+    assert "--profile must be 'cpu' or 'gpu' (got 'big')" in capsys.readouterr().err
+    assert memory.main(["--profile", "gpu", "--device", "cpu"]) == 2
+    assert "--profile gpu (GPT-2 124M) needs a CUDA device" in capsys.readouterr().err
     assert memory.main(["--batch", "9"]) == 2
     assert "unrecognized arguments: --batch 9" in capsys.readouterr().err
     with pytest.raises(ValueError, match="method must be None"):

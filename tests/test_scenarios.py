@@ -53,3 +53,31 @@ def test_cli_lists_and_runs_a_scenario():
     assert fixed.returncode == 0 and "[fixed] symptom gone" in fixed.stdout
     bad = subprocess.run([*run, "nope"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown scenario 'nope'" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["nan-params-sampling-crash", "pad-token-vocab-mismatch"])
+def test_device_scenarios_run_in_a_fresh_process(name):
+    """`scenario NAME --device D` runs the scenario in a child process on D (on CUDA the
+    broken side is a device-side assert that poisons the process) and reports what the next
+    operation on the device did there. On CPU: the same evidence as in this process, and
+    the device still works after the exception."""
+    from grpo_lab.scenarios import DEVICE_SCENARIOS, run_on_device
+
+    assert name in DEVICE_SCENARIOS
+    broken, fixed = run_on_device(name, False, "cpu"), run_on_device(name, True, "cpu")
+    assert broken["symptom"] and not fixed["symptom"], (broken, fixed)
+    assert broken["evidence"] == run_scenario(name).evidence
+    assert EXPECTED_TEXT[name] in broken["evidence"]
+    assert broken["after"] == fixed["after"] == "works"
+    assert broken["returncode"] == fixed["returncode"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["naive-run", "--device", "cpu"], "runs on CPU only"),
+    (["nan-params-sampling-crash", "--device", "tpu"], "--device must be 'cpu', 'cuda'"),
+])
+def test_device_flag_refuses_what_it_cannot_do(argv, message):
+    p = subprocess.run([sys.executable, "-m", "grpo_lab", "scenario", *argv],
+                       capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
