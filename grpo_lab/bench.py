@@ -42,9 +42,11 @@ MODEL_NAMES = {"cpu": "tiny GPT-2", "gpu": "GPT-2 124M"}
 EVAL_SIZE = 256
 PROGRESS_EVERY = 10  # steps between progress lines
 # dense float32 peaks (TFLOP/s, no tensor-core TF32: both sides train in float32 at torch's
-# default matmul precision), by a substring of torch.cuda.get_device_name(); NVIDIA data sheets
-PEAK_FP32_TFLOPS = {"H200": 67.0, "H100 PCIe": 51.0, "H100": 67.0, "A100": 19.5, "L4": 30.3,
-                    "A10G": 31.2, "T4": 8.1}
+# default matmul precision), by a substring of torch.cuda.get_device_name(), the longest that
+# matches ("L40S" before "L4"); NVIDIA data sheets, SXM unless named
+PEAK_FP32_TFLOPS = {"H200": 67.0, "H100 PCIe": 51.0, "H100 NVL": 60.0, "H100": 67.0,
+                    "A100": 19.5, "L40S": 91.6, "L40": 90.5, "L4": 30.3, "A10G": 31.2,
+                    "T4": 8.1}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -120,15 +122,22 @@ def mean_prompt_tokens(tokenizer, cfg) -> float:
     return sum(map(len, ids)) / len(ids)
 
 
-def peak_tflops(args: argparse.Namespace) -> float | None:
+def peak_tflops(args: argparse.Namespace) -> tuple[float | None, str]:
+    """(peak TFLOP/s for MFU or None, where it comes from)."""
     if args.peak_tflops is not None:
-        return args.peak_tflops
+        return args.peak_tflops, "--peak-tflops"
     if args.device != "cuda":
-        return None
+        return None, ""
     import torch
 
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_FP32_TFLOPS.items() if k in name), None)
+    return known_peak(torch.cuda.get_device_name())
+
+
+def known_peak(device_name: str) -> tuple[float | None, str]:
+    matches = sorted((k for k in PEAK_FP32_TFLOPS if k in device_name), key=len, reverse=True)
+    if not matches:
+        return None, device_name
+    return PEAK_FP32_TFLOPS[matches[0]], f"{device_name}, float32"
 
 
 # ---- the two sides, each in its own process ------------------------------------------------
@@ -376,7 +385,7 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
     per_step = cfg.prompts_per_step * cfg.group_size
     cuda = args.device == "cuda"
     mean = statistics.mean
-    peak = peak_tflops(args)
+    peak, peak_source = peak_tflops(args)
     head = ["side", "s/step", "CPU s/step", "compl/s", "tok/s", "MFU", "peak RSS",
             "eval accuracy", "reward"]
     unit = ["", "median", "median", "", "median", "median", "MiB", f"step 0 -> {cfg.steps}",
@@ -427,7 +436,7 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
         "",
         *table,
         *(per_seed if len(seeds) > 1 else []),
-        "  MFU: " + (f"model FLOPs over a peak of {peak:g} TFLOP/s" if peak else
+        "  MFU: " + (f"model FLOPs over a peak of {peak:g} TFLOP/s ({peak_source})" if peak else
                      "n/a, no peak known for this device (give --peak-tflops)")
         + f"; the FLOPs count {results['grpo_lab']['matmul_params'] / 1e6:.1f} M matmul "
         f"parameters and {results['grpo_lab']['prompt_tokens']:.1f} prompt tokens per row",

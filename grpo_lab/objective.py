@@ -58,7 +58,8 @@ def completion_logits(
         if len(prompts) < len(input_ids):
             logits = _shared_prompt_logits(model, input_ids, attention_mask, position_ids, C,
                                            prompts[:, :P], prompts[:, P:], row_prompt)
-            return _scale(logits, temperature, logit_clamp)
+            if logits is not None:
+                return _scale(logits, temperature, logit_clamp)
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         use_cache=False,  # one full forward: a KV cache would only cost memory
@@ -87,12 +88,15 @@ def _scale(logits: torch.Tensor, temperature: float, logit_clamp: float | None) 
 
 
 def _shared_prompt_logits(model, input_ids, attention_mask, position_ids, C, prompt_ids,
-                          prompt_mask, row_prompt) -> torch.Tensor:
-    """(B, C, V) unscaled completion logits, each of the U distinct prompts run once."""
+                          prompt_mask, row_prompt) -> torch.Tensor | None:
+    """(B, C, V) unscaled completion logits, each of the U distinct prompts run once; None
+    when the model returns no KV cache (the caller then runs the full forward)."""
     P = prompt_ids.shape[1]
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
                 position_ids=position_ids_from_mask(prompt_mask), use_cache=True)
     cache = out.past_key_values
+    if cache is None:  # the model did not keep one (activation checkpointing in train mode)
+        return None
     cache.batch_select_indices(row_prompt)  # keys and values (U, ...) -> (B, ...), per row
     logits = out.logits[row_prompt, -1:]  # (B, 1, V): the prompt's last position predicts token 1
     if C > 1:  # completion tokens 1..C-1 predict tokens 2..C, attending to their prompt's cache

@@ -121,13 +121,17 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     model once and its G rows share its KV cache. Then one token per step for every row,
     padding after a row's EOS, until all rows are done. Processors run in generate()'s
     order (SanitizeLogits, temperature, top-k, top-p) and tokens are drawn with
-    torch.multinomial as generate() draws them: the same seed gives the same completions
-    (tests/test_tasks_sampling.py).
+    torch.multinomial as generate() draws them: on CPU the same seed gives the same
+    completions (tests/test_tasks_sampling.py). (The prompt forward runs B/G rows instead of
+    B; where a kernel's rounding depends on the batch size, as it can on CUDA, a draw at the
+    edge of a token's probability interval may go the other way.)
 
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
     (B, C, V) raw float32 logits each token was drawn from (before any processor)."""
     from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     processors = [SanitizeLogits()] if safe else []
     processors.append(lambda ids, scores: scores / temperature)
     if top_k:

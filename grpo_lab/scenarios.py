@@ -41,11 +41,16 @@ class Scenario:
     run: Callable[[bool], Outcome]
 
 
+def _describe(e: BaseException) -> str:
+    """'Type: first line of the message'."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
 def _error_text(fn: Callable[[], object]) -> str | None:
     try:
         fn()
     except Exception as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        return _describe(e)
     return None
 
 
@@ -82,9 +87,9 @@ def nan_params_sampling_crash(fixed: bool) -> Outcome:
     if fixed:  # health check after the update: roll back before sampling again
         snapshot.restore(model, opt)
     err = _error_text(lambda: sample_group(model, tok, ["12+34="], 4, 5))
-    healthy = nonfinite_params(model)
-    if err:
+    if err:  # (on CUDA a device-side assert: nothing more may run on the device)
         return Outcome(True, f"{bad} non-finite parameters, then sampling: {err}")
+    healthy = nonfinite_params(model)
     return Outcome(False, f"{bad} non-finite parameters found, rolled back ({healthy} left); "
                           "sampling works")
 
@@ -506,10 +511,14 @@ def run_scenario(name: str, fixed: bool = False) -> Outcome:
 
 _DEVICE_CHILD = """
 import json, sys, torch
-from grpo_lab.scenarios import _device, _error_text, run_scenario
-outcome = run_scenario(sys.argv[1], fixed=sys.argv[2] == "fixed")
+from grpo_lab.scenarios import _describe, _device, _error_text, run_scenario
+try:
+    outcome = run_scenario(sys.argv[1], fixed=sys.argv[2] == "fixed")
+    symptom, evidence = outcome.symptom, outcome.evidence
+except Exception as e:  # a CUDA error surfacing late, outside the scenario's own check
+    symptom, evidence = True, "crashed: " + _describe(e)
 after = _error_text(lambda: torch.ones(2, device=_device()).sum().item())
-print("@@scenario@@ " + json.dumps({"symptom": outcome.symptom, "evidence": outcome.evidence,
+print("@@scenario@@ " + json.dumps({"symptom": symptom, "evidence": evidence,
                                     "after": after or "works"}))
 """
 
@@ -518,7 +527,8 @@ def run_on_device(name: str, fixed: bool, device: str, timeout: float = 600) -> 
     """Run scenario `name` (one of DEVICE_SCENARIOS) on `device` in a fresh process, then
     one more operation on the device in that process. Returns {'symptom', 'evidence',
     'after': that operation's error, or 'works', 'returncode'}. On CUDA the broken side's
-    evidence is the device-side assert and 'after' shows the context stays broken."""
+    evidence is the device-side assert and 'after' shows the context stays broken. Both
+    scenarios' symptom is a crash, so an error escaping the scenario counts as one."""
     if name not in DEVICE_SCENARIOS:
         raise ValueError(f"scenario {name!r} runs on CPU only; on a device: "
                          f"{', '.join(DEVICE_SCENARIOS)}")

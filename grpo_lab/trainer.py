@@ -215,7 +215,7 @@ class Trainer:
                 old_logp = completion_logprobs(
                     self.policy, rollout.input_ids, rollout.attention_mask,
                     rollout.completion_length, cfg.temperature, cfg.logit_clamp,
-                    share_prompts=True,
+                    share_prompts=self.share_prompts,
                 )
         return StepBatch(
             rollout=rollout, rewards=rewards, advantages=advantages, ref_logp=ref_logp,
@@ -507,6 +507,7 @@ class Trainer:
         if self.reference is not None and state["reference"] is not None:
             self.reference.load_state_dict(state["reference"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._keep_optimizer_implementation()
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         saved_world = state.get("world_size", 1)
@@ -541,10 +542,24 @@ class Trainer:
                 f.writelines(to_json_line(m) for m in self.history)
             os.replace(tmp, self.out_dir / METRICS)
 
+    def _keep_optimizer_implementation(self) -> None:
+        """load_state_dict restores the saved param groups whole, 'fused' included: a
+        checkpoint written before AdamW was fused (fused None) would switch it back, and
+        with fp16 GradScaler would then skip its unscale for an optimizer that does not do
+        it itself. Keep this optimizer's own choice, with its step counters where the fused
+        kernel wants them (float32, on the parameters' device)."""
+        fused = self.optimizer.defaults.get("fused")
+        for group in self.optimizer.param_groups:
+            group["fused"], group["foreach"] = fused, self.optimizer.defaults.get("foreach")
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                if fused and "step" in state:
+                    state["step"] = state["step"].to(p.device, torch.float32)
+
     def close(self, failed: bool = False) -> None:
         """Leave the process group of a data-parallel run (a no-op in one process); after
         a failure, without waiting for the other ranks."""
-        if self.world.distributed:
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self.model = self.model.module  # the DDP wrapper must go before its process group
             gc.collect()
             distributed.shutdown(wait_for_others=not failed)

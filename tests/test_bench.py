@@ -67,3 +67,12 @@ def test_model_flops_count_the_step_s_passes(tiny):
     assert n == sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
     assert bench.model_flops_per_step(n, 64, 10.0, 0.04, 1) == 10 * n * 640
     assert bench.model_flops_per_step(n, 64, 10.0, 0.0, 2) == 14 * n * 640
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 67.0), ("NVIDIA H100 PCIe", 51.0), ("NVIDIA H100 NVL", 60.0),
+    ("NVIDIA H200", 67.0), ("NVIDIA L40S", 91.6), ("NVIDIA L4", 30.3),
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_the_gpu_peak_is_the_longest_name_that_matches(name, peak):
+    assert bench.known_peak(name)[0] == peak

@@ -524,12 +524,26 @@ def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
     m = r.completion_mask[rows].bool()
     weights = torch.randn(m.shape) * m
 
+    batch_sizes = []  # rows of each transformer call: the shared path runs the prompts alone
+
+    def count_rows(module, args, kwargs):
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        batch_sizes.append(len(ids))
+
+    hook = model.transformer.register_forward_pre_hook(count_rows, with_kwargs=True)
+
     def logits_and_grad(share: bool):
         model.zero_grad(set_to_none=True)
+        batch_sizes.clear()
         logits = completion_logits(model, ids, attn, C, 0.7, share_prompts=share)
+        calls[share] = list(batch_sizes)
         (logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1) * weights).sum().backward()
         return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
+    calls = {}
     (full, g_full), (shared, g_shared) = logits_and_grad(False), logits_and_grad(True)
+    hook.remove()
+    distinct = len(set(r.prompt_index[rows].tolist()))
+    assert calls[False] == [len(ids)] and calls[True] == [distinct, len(ids)], calls
     assert ((full - shared).abs() * m[..., None]).max() < 1e-5
     assert (g_full - g_shared).norm() / g_full.norm() < 1e-5

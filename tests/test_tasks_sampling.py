@@ -143,3 +143,9 @@ def test_sampling_loop_draws_what_generate_draws(tiny, flags, safe):
                             out.sequences[:, ids.shape[1]:])
     m = ours.completion_mask.bool()
     assert (ours.sampling_logprobs - theirs)[m].abs().max() < 1e-5
+
+
+def test_sampling_nothing_is_refused(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        sample_group(model, tok, ["1+2="], 2, 0)

@@ -294,3 +294,34 @@ def test_health_count_is_exact_behind_the_fast_check(tiny, value):
         model.transformer.wte.weight[0, :2] = value
     assert not all_finite(model)
     assert nonfinite_params(model) == (0 if value == 3e38 else 2)
+
+
+def test_checkpointing_with_autocast_runs_and_the_ratio_starts_at_one(tiny):
+    """Activation checkpointing drops the KV cache the shared prompt forward needs; under
+    autocast pi_old is recomputed on the training path, which must then fall back to the
+    full forward (it crashed on the missing cache) and agree with the training forward."""
+    model, tok = tiny
+    cfg = preset("stable", gradient_checkpointing=True, amp="bf16", prompts_per_step=2,
+                 group_size=4, eval_every=0, eval_size=8)
+    m = Trainer(cfg, copy.deepcopy(model), tok).step()
+    assert math.isfinite(m["loss"]) and m["skipped"] == 0
+    assert m["log_ratio/max_abs"] < 1e-6, m["log_ratio/max_abs"]
+
+
+def test_resuming_a_checkpoint_of_the_unfused_optimizer_keeps_fused_adamw(tmp_path, tiny):
+    """Checkpoints written before AdamW was fused carry fused=None in their param groups;
+    loading one must not switch the optimizer back (with fp16, GradScaler then failed:
+    'Expected grad_scale and found_inf to be None')."""
+    model, tok = tiny
+    cfg = preset("stable", amp="fp16", prompts_per_step=2, group_size=4, eval_every=0,
+                 eval_size=8)
+    first = Trainer(cfg, copy.deepcopy(model), tok, out_dir=tmp_path)
+    first.step()
+    for group in first.optimizer.param_groups:  # what the older trainer saved
+        group["fused"], group["foreach"] = None, None
+    first.save_checkpoint()
+    resumed = Trainer(cfg, copy.deepcopy(model), tok, out_dir=tmp_path)
+    resumed.load_checkpoint()
+    assert all(g["fused"] for g in resumed.optimizer.param_groups)
+    m = resumed.step()
+    assert math.isfinite(m["loss"]) and m["skipped"] == 0
