@@ -559,10 +559,11 @@ class Trainer:
     def close(self, failed: bool = False) -> None:
         """Leave the process group of a data-parallel run (a no-op in one process); after
         a failure, without waiting for the other ranks."""
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            self.model = self.model.module  # the DDP wrapper must go before its process group
+        if self.world.distributed:
+            if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+                self.model = self.model.module  # the wrapper must go before its process group
             gc.collect()
-            distributed.shutdown(wait_for_others=not failed)
+            distributed.shutdown(wait_for_others=not failed)  # a no-op once left
 
     # ---- diagnosis -----------------------------------------------------------------------
     def diagnosis(self) -> str:
