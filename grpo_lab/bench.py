@@ -36,9 +36,10 @@ import sys
 import tempfile
 import time
 
+from .config import PROFILE_MODELS
+
 RESULT = "BENCH_RESULT "  # prefix of the one JSON line a side prints on stdout
 SIDES = ("grpo_lab", "TRL")
-MODEL_NAMES = {"cpu": "tiny GPT-2", "gpu": "GPT-2 124M"}
 EVAL_SIZE = 256
 PROGRESS_EVERY = 10  # steps between progress lines
 # dense float32 peaks (TFLOP/s, no tensor-core TF32: both sides train in float32 at torch's
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--seed must be an integer >= 0 (got {args.seed})")
     if args.device not in ("cpu", "cuda"):
         ap.error(f"--device must be 'cpu' or 'cuda' (got {args.device!r})")
-    if args.profile not in ("cpu", "gpu"):
+    if args.profile not in PROFILE_MODELS:
         ap.error(f"--profile must be 'cpu' or 'gpu' (got {args.profile!r})")
     if args.profile == "gpu" and args.device != "cuda":
         ap.error("--profile gpu (GPT-2 124M) needs --device cuda")
@@ -428,7 +429,7 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
     return "\n".join([
         f"grpo_lab vs TRL {trl.__version__}: torch {torch.__version__}, {args.device}, "
         f"{args.threads} thread(s) per side, {os.cpu_count()} cores",
-        f"{MODEL_NAMES[args.profile]}, addition, stable preset, {cfg.steps} steps x {cfg.prompts_per_step} "
+        f"{PROFILE_MODELS[args.profile]}, addition, stable preset, {cfg.steps} steps x {cfg.prompts_per_step} "
         f"prompts x G={cfg.group_size} = {per_step} completions/step, max "
         f"{cfg.max_new_tokens} new tokens, T={cfg.temperature:g}, lr {cfg.learning_rate:g} "
         f"(constant), beta {cfg.beta:g}, loss {cfg.loss_type}, max_grad_norm "

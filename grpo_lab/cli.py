@@ -263,17 +263,12 @@ def cmd_scenario(args) -> int:
         if args.name not in DEVICE_SCENARIOS:
             raise UsageError(f"--device: scenario {args.name!r} runs on CPU only; allowed "
                              f"with --device: {', '.join(DEVICE_SCENARIOS)}")
-        import torch
+        from .models import resolve_device
 
         try:
-            device = torch.device(args.device)
-        except RuntimeError:
-            raise UsageError(f"--device must be 'cpu', 'cuda' or 'cuda:N' (got {args.device!r})"
-                             ) from None
-        if device.type not in ("cpu", "cuda"):
-            raise UsageError(f"--device must be 'cpu', 'cuda' or 'cuda:N' (got {args.device!r})")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+            resolve_device(args.device)
+        except ConfigError as e:  # "device must be ...": the flag's name in front
+            raise UsageError(f"--{e}") from None
     print(describe(CATALOG[args.name]))
     after = None
     if args.device is None:

@@ -17,6 +17,7 @@ LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
 CHECKPOINT, METRICS = "checkpoint.pt", "metrics.jsonl"  # the files of a run directory
 AMP_MODES = ("none", "bf16", "fp16")
 PROFILES = ("cpu", "gpu")
+PROFILE_MODELS = {"cpu": "tiny GPT-2", "gpu": "GPT-2 124M"}  # the model each profile trains
 
 
 class ConfigError(ValueError):

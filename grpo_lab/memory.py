@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, GRPOConfig
+from .config import PROFILE_MODELS, ConfigError, GRPOConfig
 
 MIB = 2**20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
@@ -341,7 +341,7 @@ def memory_table(quick: bool = False, device: str | None = None,
         m = rows[0]
         where = {"proc": "peak RSS (VmHWM)", "rusage": "peak RSS (ru_maxrss)",
                  "cuda": "torch.cuda.max_memory_allocated"}[m["method"]]
-        model = {"cpu": "tiny GPT-2", "gpu": "GPT-2 124M"}.get(m["profile"], m["profile"])
+        model = PROFILE_MODELS.get(m["profile"], m["profile"])
         print(f"peak memory of one Trainer.step() of {model} above the idle baseline ({where}; "
               f"idle {m['idle_mib']:.0f} MiB after loading the policy, reference and "
               f"optimizer)")
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             return _worker_main()
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         profile = args.profile or ("gpu" if device.startswith("cuda") else "cpu")
-        if profile not in ("cpu", "gpu"):
+        if profile not in PROFILE_MODELS:
             raise UsageError(f"--profile must be 'cpu' or 'gpu' (got {profile!r})")
         if profile == "gpu" and not device.startswith("cuda"):
             raise UsageError("--profile gpu (GPT-2 124M) needs a CUDA device (--device cuda)")
