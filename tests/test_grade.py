@@ -62,12 +62,14 @@ def test_full_marks_partial_and_not_implemented(tmp_path, solutions):
 
 
 def test_a_hang_keeps_what_passed(tmp_path, solutions):
-    hang = notebook(tmp_path / "sub.ipynb", GOOD, CHECK_ADV, "import time\ntime.sleep(60)",
+    # the limit is far above a normal cell's time: the checker cell's first import of
+    # torch and transformers took over 4 s (the old limit) on a loaded machine in CI
+    hang = notebook(tmp_path / "sub.ipynb", GOOD, CHECK_ADV, "import time\ntime.sleep(600)",
                     GOOD_KL, CHECK_KL)
-    records = _by_exercise(grade.grade_notebook(hang, cell_timeout=4))
+    records = _by_exercise(grade.grade_notebook(hang, cell_timeout=30))
     assert records["group_advantages"].points == 1
     assert records["kl_k3"].status == "not run"
-    assert "longer than the 4 s limit" in records["kl_k3"].reason
+    assert "longer than the 30 s limit" in records["kl_k3"].reason
 
 
 def test_an_unreadable_submission_does_not_stop_the_others(tmp_path, solutions, capsys):
