@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from .labs import find_root
 
 
 def execute(path: Path, timeout: int = 300) -> float:
@@ -33,7 +33,7 @@ def execute(path: Path, timeout: int = 300) -> float:
 
 
 def main(paths: list[str]) -> int:
-    targets = [Path(p) for p in paths] or sorted((ROOT / "solutions").glob("*.ipynb"))
+    targets = [Path(p) for p in paths] or sorted((find_root() / "solutions").glob("*.ipynb"))
     total = 0.0
     for path in targets:
         seconds = execute(path)
