@@ -88,14 +88,15 @@ class GRPOConfig:
     # --- the field reports' mistakes (naive preset) ---------------------------------------
     ratio_against: str = "old"
     """'old': ratio pi_theta / pi_old (the sampling policy), as in PPO/GRPO; 'reference':
-    ratio against the frozen reference model, the bug in report 000/001"""
+    ratio against the frozen reference model, the bug in report 001 (000 is the same run)"""
     ratio_level: str = "token"
     """'token': one ratio per token (GRPO); 'sequence': the log-ratio summed over the
     completion into one ratio per sequence, as report 001's code did, which lets
     exp() overflow once the policy drifts (log-ratio ~ +-50 in the report)"""
     clip_term: str = "clipped_ratio"
     """'clipped_ratio': min(r*A, clip(r, 1-eps, 1+eps)*A); 'constant': min(r*A, eps*A),
-    report 000's `clip_ratio * advantage`, which leaves negative advantages unclipped"""
+    report 001's `clip_ratio * advantage` read with clip_ratio as the constant clip range,
+    which leaves negative advantages unclipped (the report never defines clip_ratio)"""
 
     # --- safety switches (stable preset) ------------------------------------------------
     logit_clamp: float | None = None
@@ -233,7 +234,7 @@ def validate(cfg: GRPOConfig) -> None:
         )
 
 
-# The field reports' starting point: ratio against the reference model, report 000's
+# The field reports' starting point: ratio against the reference model, report 001's
 # clipped term, no clamps, weak clipping, no health checks, a learning rate too high.
 NAIVE = dict(
     learning_rate=1e-3,

@@ -373,7 +373,7 @@ def test_log_ratio_clamp_bounds_the_ratio():
     assert torch.isfinite(loss).all() and torch.isfinite(y.grad).all()
 
 
-# --- 8. report 000: constant clip -----------------------------------------------------
+# --- 8. report 001: constant clip -----------------------------------------------------
 
 
 def _grad(fn, r: float, a: float) -> float:

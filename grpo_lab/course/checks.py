@@ -255,7 +255,7 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
         const, _ = naive.constant_clip_surrogate(logp, old, adv, eps_low, eps_high)
         if _close(got[0], const) and not _close(got[0], want_loss):
             raise Mismatch("your clipped term multiplies the advantage by the clip range "
-                           "(report 000's `clip_ratio * advantage`); clip the *ratio*: "
+                           "(report 001's `clip_ratio * advantage`); clip the *ratio*: "
                            "clamp(r, 1 - eps_low, 1 + eps_high) * A")
         _expect(got[0], want_loss, f"the per-token loss (eps_low={eps_low}, eps_high={eps_high})")
         _expect(got[1].bool(), want_clipped, "region_clipped")

@@ -13,6 +13,32 @@ from pathlib import Path
 
 from .labs import find_root
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def final_progress_text(output: dict, state: dict) -> None:
+    """A tqdm bar is a widget; its stored text/plain is the text at creation ("0%| | 0/150"),
+    which is what a reader sees where widgets do not render (a code host, the website).
+    Replace it with the bar's final text, rebuilt from the widget's final state."""
+    view = output.get("data", {}).get(WIDGET_VIEW)
+    box = state.get(view["model_id"], {}).get("state", {}) if view else {}
+    children = [state.get(c.removeprefix("IPY_MODEL_"), {}).get("state", {})
+                for c in box.get("children", [])]
+    if len(children) != 3 or "max" not in children[1]:  # not a tqdm bar: HTML, progress, HTML
+        return
+    left, bar, right = children
+    done = bar.get("value", 0) / bar["max"] if bar["max"] else 1.0
+    filled = round(10 * min(max(done, 0.0), 1.0))
+    output["data"]["text/plain"] = (
+        f"{_text(left.get('value', ''))}|{'█' * filled}{' ' * (10 - filled)}|"
+        f" {_text(right.get('value', '')).strip()}"
+    )
+
+
+def _text(html: str) -> str:
+    return html.replace("&nbsp;", " ").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+
 
 def execute(path: Path, timeout: int = 300) -> float:
     """Run every cell of `path` in a fresh kernel (cwd: the notebook's folder), save the
@@ -25,8 +51,11 @@ def execute(path: Path, timeout: int = 300) -> float:
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     seconds = time.time() - t0
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
+        for output in cell.get("outputs", []):
+            final_progress_text(output, state)
     nb.metadata.pop("widgets", None)
     nbformat.write(nb, path)
     return seconds

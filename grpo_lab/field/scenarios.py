@@ -417,8 +417,8 @@ def launch_without_launcher(fixed: bool) -> Outcome:
 CATALOG: dict[str, Scenario] = {s.name: s for s in [
     Scenario("naive-run", "000/001",
              "grad norm spikes by orders of magnitude, parameters go NaN, sampling crashes",
-             "ratio against the reference, `clip_ratio * advantage`, no log-ratio clamp, "
-             "lr too high", "the stable preset: ratio vs the sampling policy, real clipping, "
+             "ratio against the reference and report 001's `clip_ratio * advantage` (read as "
+             "a constant), no log-ratio clamp, lr too high", "the stable preset: ratio vs the sampling policy, real clipping, "
              "clamps, grad clipping, health checks", naive_run),
     Scenario("nan-params-sampling-crash", "000",
              "torch.multinomial: probability tensor contains either inf, nan or element < 0",
@@ -427,7 +427,9 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
     Scenario("pad-token-vocab-mismatch", "002", "IndexError: index out of range in self",
              "a pad token added to the tokenizer has no embedding row",
              "reuse EOS as pad, or resize the embeddings", pad_token_vocab_mismatch),
-    Scenario("accum-step-inside-loop", "003", "KL = 0.000, the model barely moves",
+    Scenario("accum-step-inside-loop", "003",
+             "each update uses the last micro-batch's gradient only (the report logged "
+             "KL = 0.000; notebook 08 measures that with AdamW the model still moves)",
              "zero_grad/step inside the micro-batch loop: each update sees one micro-batch",
              "zero_grad before the loop, one step after it", _accumulation_scenario("step-inside")),
     Scenario("accum-copy-instead-of-add", "003", "accumulated gradient = the last micro-batch's",
@@ -451,7 +453,8 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
              "temperature/top_p given while sampling is off (or through a logits processor)",
              "pass do_sample=True with temperature/top_k/top_p to generate()",
              temperature_ignored),
-    Scenario("temperature-zero", "000", "multinomial crash on NaN probabilities",
+    Scenario("temperature-zero", "000", "multinomial crash on NaN probabilities (the course's "
+             "extension: report 000 lowered the temperature, with a floor of 0.3)",
              "logits / 0 is inf or NaN", "temperature > 0 is validated; use greedy for T = 0",
              temperature_zero),
     Scenario("amp-skip-no-inf-checks", "004",
@@ -472,8 +475,10 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
              "log-ratios summed over a sequence against the reference, no clamp",
              "token-level ratios against the sampling policy; clamp the log-ratio as a net",
              log_ratio_overflow),
-    Scenario("crash-resume", "004", "a crash mid-training loses every step since the start",
-             "no checkpoints", "atomic checkpoints and --resume", crash_resume),
+    Scenario("crash-resume", "004", "a crash mid-training loses every step since the last "
+             "checkpoint (report 004's driver crashes; its stack did resume from checkpoints)",
+             "no checkpoint, or one written non-atomically", "atomic checkpoints and --resume",
+             crash_resume),
     Scenario("memory-pressure", "003/004",
              "out of memory mid-step (CUDA out of memory; on CPU DefaultCPUAllocator: "
              "can't allocate memory)",
@@ -482,7 +487,8 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
              "and/or gradient_checkpointing; `python -m grpo_lab.tools.memory` measures each",
              memory_pressure),
     Scenario("launch-without-launcher", "002",
-             "a multi-process run hangs at start-up (the report: hangs and device-side asserts)",
+             "a multi-process run hangs at start-up (the course's example; the report shows "
+             "device-side asserts from runs started with plain python)",
              "started with plain python where a launcher was meant: the ranks it expects "
              "never start",
              "start it with the launcher (torchrun / accelerate launch); on a multi-GPU "
