@@ -1,10 +1,18 @@
 """GRPO Lab: a small, readable GRPO trainer for GPT-2, built to be broken and fixed.
 
-One file per concern: config (GRPOConfig, presets), models (policy, tokenizer, profiles),
-tasks (addition and its reward), sampling (a group per prompt, log-probs), objective (advantages,
-KL estimators, clipped surrogate, aggregation), trainer (the loop, accumulation, AMP,
-clipping, checkpoints), health (checks, snapshots, rollback), bugs (the field reports'
-broken variants), plots, cli.
+Layers, each importing only from the ones below it (tests/test_layers.py):
+
+- the engine, here, one file per concern: config (GRPOConfig, presets), tasks (addition
+  and its reward), models (architecture, tokenizer, profiles), objective (log-probs,
+  advantages, KL estimators, clipped surrogate, aggregation), fast (speed-ups beside the
+  plain path, tested equal to it), naive (the field reports' variants the naive preset
+  switches on), sampling (a group per prompt, log-probs), policy (what a profile trains,
+  warm start), health (checks, snapshots, rollback), distributed (DDP), trainer (the loop);
+- tools/: bench, memory, warmstart (build-model), parser (the CLI's one-line errors);
+- field/: the field failures: bugs (broken code beside the right one), scenarios,
+  faults, reliability;
+- course/: checks (exercise checkers), grade, labs, notebooks, plots;
+- cli on top.
 """
 
 import logging as _logging

@@ -7,26 +7,21 @@ A run that crashes prints the real error, then a short diagnosis, and exits 1.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import json
 import sys
 import types
 import typing
 from pathlib import Path
 
+from . import config
 from .config import CHECKPOINT, METRICS, PRESETS, ConfigError, GRPOConfig, preset
+from .tools.parser import Parser, UsageError
 
 # config fields that are not flags: set by other means or not meant for the command line
 NOT_FLAGS = {"extra", "seed", "steps"}
-
-
-class UsageError(Exception):
-    pass
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse would print usage too)
-        raise UsageError(message)
 
 
 def _optional_float(name: str):
@@ -60,11 +55,6 @@ def _field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
 
 def _field_docs() -> dict[str, str]:
     """The docstring under each GRPOConfig field, for --help."""
-    import ast
-    import inspect
-
-    from . import config
-
     tree = ast.parse(inspect.getsource(config))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOConfig")
     docs, last = {}, None
@@ -116,11 +106,13 @@ def build_parser() -> Parser:
                        help="seconds a cell may run before the submission counts as hung")
     labs = sub.add_parser("labs", help="generate labs/ from solutions/ (student versions)")
     labs.add_argument("--check", action="store_true", help="exit 1 when labs/ is out of sync")
+    labs.add_argument("--root", default=None,
+                      help="the course repository (default: found from the current directory)")
     nbs = sub.add_parser("notebooks", help="execute solutions/ notebooks and store outputs")
     nbs.add_argument("paths", nargs="*", help="notebooks (default: solutions/*.ipynb)")
 
     # listed for --help only: main() hands everything after "memory" or "bench" to their
-    # own parsers (each also runs as python -m grpo_lab.memory / grpo_lab.bench)
+    # own parsers (each also runs as python -m grpo_lab.tools.memory / grpo_lab.tools.bench)
     sub.add_parser("memory", help="peak memory of one step against batch, G, completion "
                                   "length, accumulation and activation checkpointing "
                                   "(python -m grpo_lab memory --help)")
@@ -156,26 +148,42 @@ def _config_from_args(args) -> GRPOConfig:
     return preset(args.preset, **overrides)
 
 
+def _refuse_changes(args, saved: dict) -> None:
+    """--resume continues the saved config: flags that repeat it are fine (the same command
+    with --resume appended), a flag that differs is refused with both values."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)
+             if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None}
+    if args.seed is not None:
+        given["seed"] = args.seed
+    if args.preset is not None or args.config is not None:
+        # the whole config the command describes, as a fresh run would have built it
+        asked = _config_from_args(args).to_dict() if args.preset else {}
+        given = {**{k: v for k, v in asked.items() if k != "steps"}, **given}
+        if args.config is not None and args.preset is None:
+            raise UsageError("--resume with --config needs the run's --preset too, to compare "
+                             "them with the saved config")
+    differ = [
+        f"--{name.replace('_', '-')} (saved {saved.get(name)!r}, got {value!r})"
+        for name, value in given.items() if name != "extra" and saved.get(name) != value
+    ]
+    if differ:
+        raise UsageError(
+            "--resume continues the run with its saved config; only --steps may change, and "
+            "these flags differ from it: " + ", ".join(differ)
+        )
+
+
 def cmd_train(args) -> int:
     out: Path = args.out
     has_run = (out / CHECKPOINT).exists() or (out / METRICS).exists()
     if args.resume:
         if not (out / CHECKPOINT).exists():
             raise UsageError(f"--resume: no {CHECKPOINT} in {out} to continue from")
-        changed = [
-            "--" + f.name.replace("_", "-") for f in dataclasses.fields(GRPOConfig)
-            if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None
-        ] + [flag for flag, given in (("--seed", args.seed is not None), ("--config", args.config),
-                                      ("--preset", args.preset)) if given]
-        if changed:
-            raise UsageError(
-                f"--resume continues the run with its saved config; only --steps may change "
-                f"(got {', '.join(changed)})"
-            )
         try:
             saved = json.loads((out / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--resume: cannot read {out / 'config.json'}: {e}") from None
+        _refuse_changes(args, saved)
         if args.steps is not None:
             saved["steps"] = args.steps
         cfg = GRPOConfig.from_dict(saved)
@@ -190,7 +198,7 @@ def cmd_train(args) -> int:
 
     # torch and transformers load only now, so a bad flag is answered at once
     from . import distributed
-    from .plots import plot_run
+    from .course.plots import plot_run
     from .trainer import Trainer
 
     problem = distributed.launch_problem(cfg.device)
@@ -249,16 +257,16 @@ def cmd_scenario(args) -> int:
     if args.list or not args.name:
         if not args.list:
             raise UsageError("give a scenario name, or --list")
-        from .scenarios import CATALOG, describe
+        from .field.scenarios import CATALOG, describe
 
         print("\n\n".join(describe(s) for s in CATALOG.values()))
         return 0
-    from .scenarios import CATALOG, Outcome, describe, run_scenario
+    from .field.scenarios import CATALOG, Outcome, describe, run_scenario
 
     if args.name not in CATALOG:
         raise UsageError(f"unknown scenario {args.name!r}; allowed: {', '.join(CATALOG)}")
     if args.device is not None:
-        from .scenarios import DEVICE_SCENARIOS, run_on_device
+        from .field.scenarios import DEVICE_SCENARIOS, run_on_device
 
         if args.name not in DEVICE_SCENARIOS:
             raise UsageError(f"--device: scenario {args.name!r} runs on CPU only; allowed "
@@ -291,7 +299,7 @@ def cmd_scenario(args) -> int:
 
 def cmd_build_model(args) -> int:
     from .models import TINY_MODEL_DIR
-    from .warmstart import build_tiny_model
+    from .tools.warmstart import build_tiny_model
 
     build_tiny_model(args.out or TINY_MODEL_DIR)
     return 0
@@ -300,11 +308,11 @@ def cmd_build_model(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from .bench import main as bench
+        from .tools.bench import main as bench
 
         return bench(argv[1:])
     if argv[:1] == ["memory"]:
-        from .memory import main as memory
+        from .tools.memory import main as memory
 
         return memory(argv[1:])
     parser = build_parser()
@@ -317,19 +325,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "grade":
             if args.cell_timeout < 1:
                 raise UsageError(f"--cell-timeout must be >= 1 second (got {args.cell_timeout})")
-            from .grade import main as grade
+            from .course.grade import main as grade
 
             return grade(args.notebooks, args.json, args.csv, args.cell_timeout)
         if args.command == "labs":
-            from .labs import main as labs
+            from .course.labs import main as labs
 
-            return labs(check=args.check)
+            try:
+                return labs(check=args.check, root=args.root)
+            except FileNotFoundError as e:
+                raise UsageError(str(e)) from None
         if args.command == "notebooks":
-            from .notebooks import main as notebooks
+            from .course.notebooks import main as notebooks
 
             return notebooks(args.paths)
         if args.command == "reliability":
-            from .reliability import main as reliability
+            from .field.reliability import main as reliability
 
             return reliability()
         return cmd_build_model(args)

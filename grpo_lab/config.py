@@ -78,6 +78,9 @@ class GRPOConfig:
     """split each step's batch into this many micro-batches; the gradient is identical"""
     amp: str = "none"
     """mixed precision for the training forward: 'none', 'bf16', or 'fp16' (GradScaler)"""
+    mask_truncated_completions: bool = False
+    """leave completions that hit max_new_tokens without end-of-text out of the loss (TRL's
+    switch of the same name); they still count in their group's advantages"""
     gradient_checkpointing: bool = False
     """recompute each block's activations in the backward pass instead of keeping them:
     less memory for about one more forward per micro-batch; gradients are unchanged"""
@@ -85,14 +88,15 @@ class GRPOConfig:
     # --- the field reports' mistakes (naive preset) ---------------------------------------
     ratio_against: str = "old"
     """'old': ratio pi_theta / pi_old (the sampling policy), as in PPO/GRPO; 'reference':
-    ratio against the frozen reference model, the bug in report 000/001"""
+    ratio against the frozen reference model, the bug in report 001 (000 is the same run)"""
     ratio_level: str = "token"
     """'token': one ratio per token (GRPO); 'sequence': the log-ratio summed over the
     completion into one ratio per sequence, as report 001's code did, which lets
     exp() overflow once the policy drifts (log-ratio ~ +-50 in the report)"""
     clip_term: str = "clipped_ratio"
     """'clipped_ratio': min(r*A, clip(r, 1-eps, 1+eps)*A); 'constant': min(r*A, eps*A),
-    report 000's `clip_ratio * advantage`, which leaves negative advantages unclipped"""
+    report 001's `clip_ratio * advantage` read with clip_ratio as the constant clip range,
+    which leaves negative advantages unclipped (the report never defines clip_ratio)"""
 
     # --- safety switches (stable preset) ------------------------------------------------
     logit_clamp: float | None = None
@@ -106,11 +110,12 @@ class GRPOConfig:
     skip_nonfinite_grad: bool = False
     """skip the update (and count it in `skipped`) when the gradient has NaN/inf"""
     spike_skip_factor: float | None = None
-    """skip the update when the grad norm exceeds this many times the running median of
-    recent accepted grad norms; None: off"""
+    """skip the update when the grad norm exceeds this many times the median of the last
+    20 finite grad norms, skipped ones included (so a lasting change of scale is absorbed
+    within 20 steps instead of freezing training behind a stale median); None: off"""
     health_check: bool = False
     """after each update check every parameter; on NaN/inf roll back to the last healthy
-    snapshot (and reset the optimizer state)"""
+    snapshot: the weights and the optimizer state saved with it"""
     snapshot_every: int = 10
     """steps between in-memory snapshots of a healthy model, used for rollback"""
     check_rewards: bool = False
@@ -217,7 +222,7 @@ def validate(cfg: GRPOConfig) -> None:
     if cfg.profile is not None and cfg.profile not in PROFILES:
         _fail("profile", "None (automatic) or one of 'cpu', 'gpu'", cfg.profile)
     for name in ("skip_nonfinite_grad", "health_check", "safe_sampling", "scale_rewards",
-                 "check_rewards", "gradient_checkpointing"):
+                 "check_rewards", "gradient_checkpointing", "mask_truncated_completions"):
         if not isinstance(getattr(cfg, name), bool):
             _fail(name, "True or False", getattr(cfg, name))
     batch = cfg.prompts_per_step * cfg.group_size
@@ -229,7 +234,7 @@ def validate(cfg: GRPOConfig) -> None:
         )
 
 
-# The field reports' starting point: ratio against the reference model, report 000's
+# The field reports' starting point: ratio against the reference model, report 001's
 # clipped term, no clamps, weak clipping, no health checks, a learning rate too high.
 NAIVE = dict(
     learning_rate=1e-3,

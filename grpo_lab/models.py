@@ -4,7 +4,7 @@
   warm-started on the addition task and shipped in `grpo_lab/assets/tiny-gpt2`.
 - `gpu`: GPT-2 124M. Pretrained `gpt2` via `from_pretrained` where the hub (or its cache)
   is reachable, else the 124M architecture with the character tokenizer; either way
-  warm-started on the task once and cached (see `warmstart.py`).
+  warm-started on the task once and cached (see `policy.py`, which loads either).
 """
 
 from __future__ import annotations
@@ -45,6 +45,27 @@ def resolve_profile(profile: str | None = None) -> str:
     if profile not in PROFILES:
         raise ConfigError(f"profile must be 'cpu' or 'gpu' (got {profile!r})")
     return profile
+
+
+THREADS_ENV = "GRPO_LAB_THREADS"
+
+
+def apply_thread_policy(profile: str) -> int:
+    """The CPU thread policy: torch's intra-op threads for this process. Returns the count.
+
+    The tiny model's matrices are too small to share across cores: with 2 threads a step
+    is no faster on an idle 2-core machine, and when another process holds a core the two
+    threads wait on each other and a step takes 10-30x longer (benchmarks/threads.py). So
+    the cpu profile runs on 1 thread; the gpu profile (GPT-2 124M) keeps torch's default.
+    $GRPO_LAB_THREADS=N overrides both."""
+    env = os.environ.get(THREADS_ENV, "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ConfigError(f"{THREADS_ENV} must be a whole number >= 1 (got {env!r})")
+        torch.set_num_threads(int(env))
+    elif profile == "cpu":
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -147,48 +168,12 @@ def load_pretrained_gpt2(name_or_path: str = "gpt2"):
     return model, tokenizer
 
 
-def load_policy(profile: str | None = None, model_path: str | Path | None = None):
-    """(policy, tokenizer) for a profile, or from `model_path` when given."""
-    if model_path is not None:
-        return load_local(model_path)
-    profile = resolve_profile(profile)
-    if profile == "cpu":
-        if not (TINY_MODEL_DIR / "model.safetensors").is_file():
-            raise FileNotFoundError(
-                f"the shipped tiny model is missing from {TINY_MODEL_DIR}; "
-                "regenerate it with `python -m grpo_lab build-model`"
-            )
-        return load_local(TINY_MODEL_DIR)
-    from .warmstart import GPU_CACHE, gpu_policy
-
-    if not torch.cuda.is_available() and not (GPU_CACHE / "config.json").is_file():
-        raise ConfigError(
-            "profile 'gpu' (GPT-2 124M) needs CUDA to warm-start the model, and none is "
-            "available; use GRPO_LAB_PROFILE=cpu (the tiny GPT-2)"
-        )
-    return gpu_policy()
-
-
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Dropout off everywhere (as TRL does for GRPO): with it on, the training forward
     would not reproduce the sampling-time log-probs and the ratio would not start at 1."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    return model
-
-
-def fuse_gelu(model: torch.nn.Module) -> torch.nn.Module:
-    """GPT-2's 'gelu_new' is the tanh-approximated GELU written as five elementwise ops (and
-    as many again in backward); torch's gelu(approximate='tanh') is the same function in
-    one kernel. Swap it in: the same outputs to ~5e-7, ~6% less time per step on the tiny
-    model. (TRL patches its models too: a fused LM head.)"""
-    from transformers.activations import GELUTanh, NewGELUActivation
-
-    for module in model.modules():
-        for name, child in module.named_children():
-            if type(child) is NewGELUActivation:
-                setattr(module, name, GELUTanh())
     return model
 
 

@@ -30,6 +30,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
 
 
+def scale_logits(logits: torch.Tensor, temperature: float = 1.0,
+                 logit_clamp: float | None = None) -> torch.Tensor:
+    """Raw logits -> the logits of the distribution the policy samples from and is trained
+    on: divided by the temperature, then clamped to [-c, c] when logit_clamp is set. The
+    sampler and every training and reference forward go through this one function, so
+    they all mean the same distribution."""
+    logits = logits / temperature
+    return logits if logit_clamp is None else logits.clamp(-logit_clamp, logit_clamp)
+
+
 def completion_logits(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -37,75 +47,18 @@ def completion_logits(
     completion_length: int,
     temperature: float = 1.0,
     logit_clamp: float | None = None,
-    share_prompts: bool = False,
 ) -> torch.Tensor:
-    """(B, T) ids and mask -> (B, C, V) temperature-scaled logits predicting the last C
-    tokens, i.e. the logits the sampler drew each completion token from.
-
-    share_prompts: rows with the same prompt (the G rows of a group) run their prompt
-    through the model once and share its keys and values; only the completions run per
-    row. The same logits and gradients (up to float rounding), and with prompts as long
-    as the completions about half the work. Needs the KV cache, so not under activation
-    checkpointing."""
+    """(B, T) ids and mask -> (B, C, V) scaled logits predicting the last C tokens, i.e.
+    the logits the sampler drew each completion token from. One plain forward over the
+    whole rows; `fast.shared_prompt_logits` gives the same with each prompt run once."""
     C = completion_length
-    P = input_ids.shape[1] - C
-    position_ids = position_ids_from_mask(attention_mask)
-    if share_prompts and P > 0:
-        # one row per distinct prompt (ids and mask), and which of them each row uses
-        prompts, row_prompt = torch.unique(
-            torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True
-        )  # (U, 2P), (B,)
-        if len(prompts) < len(input_ids):
-            logits = _shared_prompt_logits(model, input_ids, attention_mask, position_ids, C,
-                                           prompts[:, :P], prompts[:, P:], row_prompt)
-            if logits is not None:
-                return _scale(logits, temperature, logit_clamp)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,  # one full forward: a KV cache would only cost memory
     ).logits  # (B, T, V)
-    return _scale(logits[:, -C - 1 : -1, :], temperature, logit_clamp)  # (B, C, V)
-
-
-class CompletionLogits(torch.nn.Module):
-    """`completion_logits` of `model` as a module's forward. The training forward runs
-    through it so that DDP, which expects one forward per backward, wraps both model
-    calls of the shared-prompt path as one."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, completion_length: int, temperature: float,
-                logit_clamp: float | None, share_prompts: bool) -> torch.Tensor:
-        return completion_logits(self.model, input_ids, attention_mask, completion_length,
-                                 temperature, logit_clamp, share_prompts)
-
-
-def _scale(logits: torch.Tensor, temperature: float, logit_clamp: float | None) -> torch.Tensor:
-    logits = logits / temperature
-    return logits if logit_clamp is None else logits.clamp(-logit_clamp, logit_clamp)
-
-
-def _shared_prompt_logits(model, input_ids, attention_mask, position_ids, C, prompt_ids,
-                          prompt_mask, row_prompt) -> torch.Tensor | None:
-    """(B, C, V) unscaled completion logits, each of the U distinct prompts run once; None
-    when the model returns no KV cache (the caller then runs the full forward)."""
-    P = prompt_ids.shape[1]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                position_ids=position_ids_from_mask(prompt_mask), use_cache=True)
-    cache = out.past_key_values
-    if cache is None:  # the model did not keep one (activation checkpointing in train mode)
-        return None
-    cache.batch_select_indices(row_prompt)  # keys and values (U, ...) -> (B, ...), per row
-    logits = out.logits[row_prompt, -1:]  # (B, 1, V): the prompt's last position predicts token 1
-    if C > 1:  # completion tokens 1..C-1 predict tokens 2..C, attending to their prompt's cache
-        rest = model(
-            input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True,
-        ).logits  # (B, C - 1, V)
-        logits = torch.cat([logits, rest], dim=1)  # (B, C, V)
-    return logits
+    # position t predicts token t + 1: the C positions before each completion token
+    return scale_logits(logits[:, -C - 1 : -1, :], temperature, logit_clamp)  # (B, C, V)
 
 
 def completion_logprobs(
@@ -115,13 +68,11 @@ def completion_logprobs(
     completion_length: int,
     temperature: float = 1.0,
     logit_clamp: float | None = None,
-    share_prompts: bool = False,
 ) -> torch.Tensor:
-    """(B, T) -> (B, C) log-probs of the completion tokens, temperature-scaled like the
-    sampler, so at the sampling weights they equal the sampling-time log-probs."""
+    """(B, T) -> (B, C) log-probs of the completion tokens, scaled like the sampler, so at
+    the sampling weights they equal the sampling-time log-probs."""
     logits = completion_logits(
-        model, input_ids, attention_mask, completion_length, temperature, logit_clamp,
-        share_prompts,
+        model, input_ids, attention_mask, completion_length, temperature, logit_clamp
     )
     return token_logprobs(logits, input_ids[:, -completion_length:])
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor
+from transformers import GenerationConfig, LogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from .objective import position_ids_from_mask, token_logprobs
+from .objective import position_ids_from_mask, scale_logits, token_logprobs
+from .tasks import addition_reward
 
 
 class SamplingError(RuntimeError):
@@ -23,7 +24,9 @@ class SamplingError(RuntimeError):
 
 class SanitizeLogits(LogitsProcessor):
     """NaN -> -inf and +inf -> the largest finite float, then refuse a row with no
-    finite logit left, with a message that names the cause instead of a multinomial crash."""
+    finite logit left, with a message that names the cause instead of a multinomial crash.
+    It runs after the temperature: +inf made finite first would overflow again when a
+    temperature below 1 divides it."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         bad = ~torch.isfinite(scores)
@@ -53,6 +56,7 @@ class Rollout:
     sampling_logprobs: torch.Tensor  # (B, C) log-probs the sampler drew each token with
     completions: list[str]  # (B,) decoded completions, without EOS
     prompt_index: torch.Tensor  # (B,) which prompt each row belongs to
+    truncated: torch.Tensor | None = None  # (B,) bool: hit max_new_tokens without an EOS
 
     @property
     def completion_ids(self) -> torch.Tensor:  # (B, C)
@@ -61,6 +65,11 @@ class Rollout:
     @property
     def completion_length(self) -> int:
         return self.completion_mask.shape[1]
+
+
+def truncated_rows(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, C) ids -> (B,) bool: True where the row has no EOS (cut off at the length cap)."""
+    return ~(completion_ids == eos_token_id).any(-1)
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -116,24 +125,24 @@ def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperatu
 
 
 def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens,
-                temperature, top_k, top_p, safe):
+                temperature, top_k, top_p, safe, logit_clamp=None):
     """generate()'s sampling loop written out, with one saving: each prompt runs through the
     model once and its G rows share its KV cache. Then one token per step for every row,
-    padding after a row's EOS, until all rows are done. Processors run in generate()'s
-    order (SanitizeLogits, temperature, top-k, top-p) and tokens are drawn with
-    torch.multinomial as generate() draws them: on CPU the same seed gives the same
-    completions (tests/test_tasks_sampling.py). (The prompt forward runs B/G rows instead of
-    B; where a kernel's rounding depends on the batch size, as it can on CUDA, a draw at the
-    edge of a token's probability interval may go the other way.)
+    padding after a row's EOS, until all rows are done. Each step's logits are scaled as
+    training scales them (`scale_logits`: temperature, then the optional logit clamp), then
+    sanitised (safe), then top-k and top-p, and a token is drawn with torch.multinomial as
+    generate() draws it: on CPU the same seed gives the same completions as generate()
+    with the same processors (tests/test_tasks_sampling.py). (The prompt forward runs B/G
+    rows instead of B; where a kernel's rounding depends on the batch size, as it can on
+    CUDA, a draw at the edge of a token's probability interval may go the other way.)
 
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
     (B, C, V) raw float32 logits each token was drawn from (before any processor)."""
-    from transformers import TopKLogitsWarper, TopPLogitsWarper
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-    processors = [SanitizeLogits()] if safe else []
-    processors.append(lambda ids, scores: scores / temperature)
+    processors = [lambda ids, scores: scale_logits(scores, temperature, logit_clamp)]
+    if safe:
+        processors.append(SanitizeLogits())
     if top_k:
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
@@ -175,8 +184,11 @@ def sample_group(
     top_k: int = 0,
     top_p: float = 1.0,
     safe: bool = False,
+    logit_clamp: float | None = None,
 ) -> Rollout:
-    """Sample `group_size` completions for each prompt (rows grouped by prompt)."""
+    """Sample `group_size` completions for each prompt (rows grouped by prompt), from the
+    distribution training optimises: softmax(scale_logits(logits, temperature,
+    logit_clamp)), then top-k / top-p."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (B/G, P)
     if safe:
@@ -187,10 +199,11 @@ def sample_group(
     model.eval()
     completion_ids, raw_logits = decode_loop(
         model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature,
-        top_k, top_p, safe,
+        top_k, top_p, safe, logit_clamp,
     )  # (B, C), (B, C, V)
     model.train(was_training)
-    sampling_logprobs = token_logprobs(raw_logits / temperature, completion_ids)
+    sampling_logprobs = token_logprobs(scale_logits(raw_logits, temperature, logit_clamp),
+                                       completion_ids)
     completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
     # padding carries no log-prob (where(), not *, so a NaN there cannot leak through)
     sampling_logprobs = torch.where(completion_mask.bool(), sampling_logprobs, 0.0)
@@ -201,17 +214,20 @@ def sample_group(
         sampling_logprobs=sampling_logprobs,
         completions=decode_completions(tokenizer, completion_ids, completion_mask),
         prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(group_size),
+        truncated=truncated_rows(completion_ids, tokenizer.eos_token_id),
     )
 
 
 @torch.no_grad()
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
-                       batch_size: int = 256, safe: bool = False) -> list[str]:
-    """Greedy (argmax) completions, for evaluation; `safe` checks the prompt ids."""
+                       batch_size: int = 256, safe: bool = False) -> tuple[list[str], list[bool]]:
+    """Greedy (argmax) completions, for evaluation, and for each whether it was cut off at
+    max_new_tokens without end-of-text; `safe` checks the prompt ids."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     texts: list[str] = []
+    truncated: list[bool] = []
     for i in range(0, len(prompts), batch_size):
         ids, mask = encode_prompts(tokenizer, prompts[i : i + batch_size], device)
         if safe:
@@ -224,17 +240,16 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
         texts += decode_completions(
             tokenizer, comp, completion_mask_from_ids(comp, tokenizer.eos_token_id)
         )
+        truncated += truncated_rows(comp, tokenizer.eos_token_id).tolist()
     model.train(was_training)
-    return texts
+    return texts, truncated
 
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, safe: bool = False) -> float:
-    """Fraction of `problems` whose greedy completion is exactly the answer."""
-    from .tasks import addition_reward
-
-    texts = greedy_completions(model, tokenizer, [p.prompt for p in problems], max_new_tokens,
-                               safe=safe)
-    rewards = addition_reward(texts, [p.answer for p in problems])
+    """Fraction of `problems` whose greedy completion is exactly the answer (then EOS)."""
+    texts, truncated = greedy_completions(model, tokenizer, [p.prompt for p in problems],
+                                          max_new_tokens, safe=safe)
+    rewards = addition_reward(texts, [p.answer for p in problems], truncated=truncated)
     return sum(rewards) / len(rewards)
 
 

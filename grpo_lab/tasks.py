@@ -2,10 +2,14 @@
 
 A prompt is "a+b=" with 0 <= a, b <= 99 (4 to 6 characters, so batches have prompts of
 different lengths); the right completion is the sum followed by end-of-text. The reward
-is checked, not learned: 1.0 when the completion is exactly the sum, else 0.0.
+is checked, not learned: 1.0 when the completion, stripped of spaces, is exactly the sum
+*and* it ended with end-of-text; else 0.0. A completion cut off at max_new_tokens
+("12   " with no end-of-text) has not given an answer and scores 0.
 
 Reward functions follow TRL's signature: `reward_fn(completions, **columns) -> list[float]`,
-one float per completion, where `columns` carries the dataset's other fields (`answer`).
+one float per completion, where `columns` carries the dataset's other fields (`answer`)
+and, from this course's trainer, `truncated`: one bool per completion, True where it hit
+max_new_tokens without end-of-text.
 """
 
 from __future__ import annotations
@@ -67,9 +71,13 @@ def _as_tuple(x: object) -> object:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def addition_reward(completions: Sequence[str], answer: Sequence[str], **_: object) -> list[float]:
-    """1.0 where the completion (stripped of spaces) is exactly the answer, else 0.0."""
-    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+def addition_reward(completions: Sequence[str], answer: Sequence[str],
+                    truncated: Sequence[bool] | None = None, **_: object) -> list[float]:
+    """1.0 where the completion (stripped of spaces) is exactly the answer and was not
+    truncated (it ended with end-of-text), else 0.0. `truncated` None: none was."""
+    truncated = [False] * len(completions) if truncated is None else truncated
+    return [1.0 if c.strip() == a and not cut else 0.0
+            for c, a, cut in zip(completions, answer, truncated, strict=True)]
 
 
 class RewardError(ValueError):

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from . import bugs, distributed
+from . import distributed, naive
 from .config import CHECKPOINT, METRICS, ConfigError, GRPOConfig
+from .fast import CompletionLogits, fuse_gelu, fused_adamw, keep_fused, shared_prompt_logits
 from .health import (
     Snapshot,
     all_finite,
@@ -37,17 +38,16 @@ from .health import (
     first_nonfinite_param,
     nonfinite_params,
 )
-from .models import disable_dropout, frozen_copy, fuse_gelu, load_policy, resolve_device
+from .models import disable_dropout, frozen_copy, resolve_device
 from .objective import (
-    CompletionLogits,
     clipped_surrogate,
-    completion_logprobs,
     entropy_from_logits,
     group_advantages,
     kl_k3,
     token_logprobs,
     token_weights,
 )
+from .policy import load_policy
 from .sampling import Rollout, greedy_accuracy, sample_group
 from .tasks import (
     MAX_OPERAND,
@@ -62,7 +62,7 @@ SPIKE_WINDOW = 20  # recent finite grad norms the spike rule takes its median ov
 SPIKE_MIN_HISTORY = 5  # recent grad norms needed before the spike rule has a baseline
 
 
-def micro_batches(n: int, k: int) -> list[slice]:
+def micro_batch_slices(n: int, k: int) -> list[slice]:
     """Split range(n) into k contiguous, non-empty slices (sizes differ by at most 1).
 
     Report 004's chunking computed `n // k` rows per chunk, which is 0 when n < k and
@@ -82,7 +82,9 @@ class StepBatch:
     rewards: torch.Tensor  # (B,)
     advantages: torch.Tensor  # (B,)
     ref_logp: torch.Tensor | None  # (B, C) frozen reference, None when beta = 0 (and not naive)
-    old_logp: torch.Tensor  # (B, C) the sampling policy's log-probs (pi_old)
+    # (B, C) pi_old, the policy that sampled, on the training path: None until the first
+    # pass of the update computes it (see Trainer.micro_batch_loss)
+    old_logp: torch.Tensor | None
     weights: torch.Tensor  # (B, C) token weights of the whole batch (see token_weights)
 
     def rows(self, sl: slice) -> StepBatch:
@@ -90,10 +92,12 @@ class StepBatch:
         r = self.rollout
         return StepBatch(
             rollout=Rollout(r.input_ids[sl], r.attention_mask[sl], r.completion_mask[sl],
-                            r.sampling_logprobs[sl], r.completions[sl], r.prompt_index[sl]),
+                            r.sampling_logprobs[sl], r.completions[sl], r.prompt_index[sl],
+                            None if r.truncated is None else r.truncated[sl]),
             rewards=self.rewards[sl], advantages=self.advantages[sl],
             ref_logp=None if self.ref_logp is None else self.ref_logp[sl],
-            old_logp=self.old_logp[sl], weights=self.weights[sl],
+            old_logp=None if self.old_logp is None else self.old_logp[sl],
+            weights=self.weights[sl],
         )
 
 
@@ -131,29 +135,30 @@ class Trainer:
                 f"(prompts up to {longest} tokens, {n_positions} positions; got "
                 f"{cfg.max_new_tokens})"
             )
-        self.policy = fuse_gelu(disable_dropout(model.to(self.device))).train()
+        self.policy = fuse_gelu(disable_dropout(model.to(self.device))).train()  # fast.py
         if cfg.gradient_checkpointing:
             # only active in train mode: sampling runs in eval mode, with its KV cache
             self.policy.activation_checkpointing_enable({"use_reentrant": False})
         self.tokenizer = tokenizer
-        # the G rows of a group share their prompt's forward pass (objective.completion_logits)
-        # except under activation checkpointing, which drops the KV cache it needs
-        self.share_prompts = not cfg.gradient_checkpointing
         # the reference is the starting policy, frozen: KL and (naive) the ratio use it
         needs_ref = cfg.beta > 0 or cfg.ratio_against == "reference"
         self.reference = frozen_copy(self.policy) if needs_ref else None
         # the module the training forward runs through: DDP all-reduces gradients in
-        # backward(); generation and no-grad forwards use the bare policy
-        self.model = CompletionLogits(self.policy)
+        # backward(); generation and no-grad forwards use the bare policy. The G rows of a
+        # group share their prompt's forward (fast.py) except under activation
+        # checkpointing, which drops the KV cache that needs
+        self.model = CompletionLogits(self.policy, share_prompts=not cfg.gradient_checkpointing)
+        # the field reports' variants, when the config asks for them (naive.py)
+        self.surrogate = (
+            clipped_surrogate if cfg.clip_term == "clipped_ratio" else naive.constant_clip_surrogate
+        )
         if self.world.distributed:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-            # one fused kernel for all parameters (TRL's default optimizer too): the same
-            # AdamW update, ~5x faster than the per-tensor loop on the tiny model
-            fused=self.device.type in ("cpu", "cuda"),
+        self.optimizer = fused_adamw(
+            self.policy.parameters(), self.device, lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
         )
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.amp == "fp16" else None
         self.reward_fn = reward_fn
@@ -186,13 +191,16 @@ class Trainer:
         rollout = sample_group(
             self.policy, self.tokenizer, [p.prompt for p in problems], cfg.group_size,
             cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, safe=cfg.safe_sampling,
+            logit_clamp=cfg.logit_clamp,
         )
-        answers = [p.answer for p in problems for _ in range(cfg.group_size)]
+        # the columns a reward function gets besides the completions (TRL's **kwargs)
+        columns = {"answer": [p.answer for p in problems for _ in range(cfg.group_size)],
+                   "truncated": rollout.truncated.tolist()}
         if cfg.check_rewards:
             scores = checked_rewards(self.reward_fn, rollout.completions, cfg.reward_timeout,
-                                     answer=answers)
+                                     **columns)
         else:  # the reports' code: whatever comes back is trained on
-            scores = self.reward_fn(rollout.completions, answer=answers)
+            scores = self.reward_fn(rollout.completions, **columns)
         rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)  # (B,)
         advantages = group_advantages(
             rewards, cfg.group_size, cfg.advantage_eps, cfg.scale_rewards
@@ -202,24 +210,17 @@ class Trainer:
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad(), self._autocast():
-                ref_logp = completion_logprobs(
+                logits = shared_prompt_logits(
                     self.reference, rollout.input_ids, rollout.attention_mask,
                     rollout.completion_length, cfg.temperature, cfg.logit_clamp,
-                    share_prompts=True,
-                )  # (B, C)
-        old_logp = rollout.sampling_logprobs  # (B, C): pi_old is the policy that sampled
-        if cfg.amp != "none":
-            # sampling ran in float32; under autocast the training forward rounds
-            # differently, so pi_old must come from the same path or the ratio starts != 1
-            with torch.no_grad(), self._autocast():
-                old_logp = completion_logprobs(
-                    self.policy, rollout.input_ids, rollout.attention_mask,
-                    rollout.completion_length, cfg.temperature, cfg.logit_clamp,
-                    share_prompts=self.share_prompts,
-                )
+                )  # (B, C, V)
+                ref_logp = token_logprobs(logits, rollout.completion_ids)  # (B, C)
+        loss_mask = rollout.completion_mask  # (B, C)
+        if cfg.mask_truncated_completions:  # cut-off rows carry no loss (TRL's switch)
+            loss_mask = loss_mask * ~rollout.truncated[:, None]
         return StepBatch(
             rollout=rollout, rewards=rewards, advantages=advantages, ref_logp=ref_logp,
-            old_logp=old_logp, weights=self.batch_weights(rollout.completion_mask),
+            old_logp=None, weights=self.batch_weights(loss_mask),
         )
 
     def batch_weights(self, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -231,58 +232,85 @@ class Trainer:
             n_sequences=completion_mask.shape[0] * self.world.world_size, n_tokens=n_tokens,
         )
 
+    def micro_batch_loss(self, part: StepBatch) -> tuple[torch.Tensor, dict]:
+        """The GRPO loss of some rows of the batch, and what the metrics need of it.
+
+            r_t = pi_theta(o_t) / pi_old(o_t)
+            L   = sum_t w_t * (-min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * k3_t)
+
+        pi_old is the policy that sampled. The first pass of an update computes it here,
+        from this forward (detached), so the ratio is exactly 1 there under every config
+        (fp16, a logit clamp, a temperature) and the later passes of mu compare against it
+        (as TRL does)."""
+        cfg, r = self.cfg, part.rollout
+        C, m = r.completion_length, r.completion_mask.bool()
+        with self._autocast():
+            logits = self.model(r.input_ids, r.attention_mask, C, cfg.temperature,
+                                cfg.logit_clamp)  # (b, C, V)
+        # padding positions get equal, finite inputs: nothing there can overflow into the
+        # loss as 0 * inf = NaN
+        logp = token_logprobs(logits, r.completion_ids).masked_fill(~m, 0.0)  # (b, C)
+        if part.old_logp is None:
+            part.old_logp = logp.detach()
+        ratio_logp, ratio_base = self.ratio_inputs(logp, part)  # (b, C) each
+        per_token, region_clipped = self.surrogate(
+            ratio_logp, ratio_base, part.advantages, cfg.epsilon_low, cfg.epsilon_high,
+            cfg.log_ratio_clamp,
+        )  # (b, C)
+        kl = torch.zeros_like(logp)
+        if cfg.beta > 0:
+            kl = kl_k3(logp, part.ref_logp.masked_fill(~m, 0.0))  # (b, C)
+            per_token = per_token + cfg.beta * kl
+        loss = (per_token * part.weights).sum()
+        return loss, {
+            "loss": loss.detach(), "kl": (kl.detach() * m).sum(),
+            "clipped": (region_clipped & m).sum(),
+            "entropy": (entropy_from_logits(logits.detach()) * m).sum(),
+            "max_log_ratio": (ratio_logp.detach() - ratio_base).abs().masked_fill(~m, 0).max(),
+        }
+
+    def ratio_inputs(self, logp: torch.Tensor, part: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, C) log-probs now and of the policy the ratio compares with: pi_old, or for
+        the naive preset the frozen reference, summed per sequence (report 001)."""
+        m = part.rollout.completion_mask
+        base = part.old_logp if self.cfg.ratio_against == "old" else part.ref_logp
+        if self.cfg.ratio_level == "sequence":
+            return naive.sequence_log_ratio_inputs(logp, base, m)
+        return logp, base.masked_fill(~m.bool(), 0.0)
+
     def backward(self, batch: StepBatch, grad_accum_steps: int | None = None) -> dict:
         """Accumulate the gradient of the step's loss over micro-batches into .grad.
 
         The token weights were computed on the whole batch, so the micro-batch losses sum
         to the full-batch loss and the accumulated gradient equals the full-batch one, for
         every loss type and any split. Returns detached sums for the metrics."""
-        cfg = self.cfg
-        r = batch.rollout
-        ids, attn, mask, C = r.input_ids, r.attention_mask, r.completion_mask, r.completion_length
-        # pi_old is the policy that sampled; the naive preset compares with the reference
-        baseline = batch.old_logp if cfg.ratio_against == "old" else batch.ref_logp
-        surrogate = (
-            clipped_surrogate if cfg.clip_term == "clipped_ratio" else bugs.constant_clip_surrogate
-        )
-        zero = torch.zeros((), device=self.device)
-        stats = {"loss": zero, "kl": zero, "clipped": zero, "entropy": zero, "max_log_ratio": zero}
-        slices = micro_batches(ids.shape[0], grad_accum_steps or cfg.grad_accum_steps)
+        slices = micro_batch_slices(len(batch.rewards), grad_accum_steps or self.cfg.grad_accum_steps)
+        parts, totals = [], {}
         for i, sl in enumerate(slices):
-            # DDP all-reduces on the last micro-batch only; the others accumulate locally
-            sync = i == len(slices) - 1 or not self.world.distributed
-            with (nullcontext() if sync else self.model.no_sync()), self._autocast():
-                logits = self.model(
-                    ids[sl], attn[sl], C, cfg.temperature, cfg.logit_clamp, self.share_prompts
-                )  # (b, C, V)
-            m = mask[sl].bool()
-            # padding positions get equal, finite inputs: nothing there can overflow into
-            # the loss as 0 * inf = NaN
-            logp = token_logprobs(logits, ids[sl, -C:]).masked_fill(~m, 0.0)  # (b, C)
-            ratio_logp, ratio_baseline = logp, baseline[sl].masked_fill(~m, 0.0)
-            if cfg.ratio_level == "sequence":  # report 001: one summed log-ratio per row
-                ratio_logp, ratio_baseline = bugs.sequence_log_ratio_inputs(
-                    logp, baseline[sl], mask[sl]
-                )
-            per_token, region_clipped = surrogate(
-                ratio_logp, ratio_baseline, batch.advantages[sl], cfg.epsilon_low,
-                cfg.epsilon_high, cfg.log_ratio_clamp,
-            )  # (b, C)
-            if cfg.beta > 0:
-                kl = kl_k3(logp, batch.ref_logp[sl].masked_fill(~m, 0.0))  # (b, C)
-                per_token = per_token + cfg.beta * kl
-                stats["kl"] = stats["kl"] + (kl.detach() * m).sum()
-            loss = (per_token * batch.weights[sl]).sum()
-            # DDP averages gradients over ranks; the weights are global, so the sum is wanted
-            scaled = loss * self.world.world_size
-            with nullcontext() if sync else self.model.no_sync():
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            log_ratio = (ratio_logp.detach() - ratio_baseline).abs().masked_fill(~m, 0)
-            stats["loss"] = stats["loss"] + loss.detach()
-            stats["clipped"] = stats["clipped"] + (region_clipped & m).sum()
-            stats["entropy"] = stats["entropy"] + (entropy_from_logits(logits.detach()) * m).sum()
-            stats["max_log_ratio"] = torch.maximum(stats["max_log_ratio"], log_ratio.max())
-        return stats
+            part = batch.rows(sl)
+            with self._gradient_sync(last=i == len(slices) - 1):
+                loss, stats = self.micro_batch_loss(part)
+                self._backward_pass(loss)
+            parts.append(part)
+            for k, v in stats.items():  # sums, and the largest |log-ratio|
+                totals[k] = v if k not in totals else (
+                    torch.maximum(totals[k], v) if k == "max_log_ratio" else totals[k] + v)
+        if batch.old_logp is None:  # pi_old as the first pass saw it, for the next passes
+            batch.old_logp = torch.cat([p.old_logp for p in parts])
+        return totals
+
+    def _gradient_sync(self, last: bool):
+        """DDP all-reduces the gradients on the last micro-batch only; the others
+        accumulate locally (no_sync). One process: nothing to do."""
+        if last or not self.world.distributed:
+            return nullcontext()
+        return self.model.no_sync()
+
+    def _backward_pass(self, loss: torch.Tensor) -> None:
+        # DDP averages gradients over ranks; the token weights are global, so the sum is
+        # wanted: scale by the world size. fp16: GradScaler scales the loss
+        loss = loss * self.world.world_size
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def update(self, batch: StepBatch) -> tuple[dict, int]:
         """mu optimizer updates on one sampled batch. Returns the last pass's loss stats
@@ -307,22 +335,28 @@ class Trainer:
         group_std = batch.rewards.view(-1, cfg.group_size).std(dim=1)
         # sums over this rank's rows, then over ranks: the global batch's metrics
         sums = distributed.all_reduce(torch.stack([
-            batch.rewards.sum(), torch.tensor(float(len(batch.rewards)), device=self.device),
+            batch.rewards.sum(), (batch.rewards ** 2).sum(),
+            torch.tensor(float(len(batch.rewards)), device=self.device),
             group_std.sum(), (group_std == 0).sum().float(),
             torch.tensor(float(len(group_std)), device=self.device),
+            batch.rollout.truncated.sum().float(),
             stats["loss"].float(), stats["kl"].float(), stats["clipped"].float(),
             stats["entropy"].float(), mask.sum().float(),
         ]), self.world).tolist()
-        (reward_sum, n_rows, std_sum, n_zero_std, n_groups, loss, kl_sum, clipped, entropy_sum,
-         tokens) = sums
+        (reward_sum, reward_sq_sum, n_rows, std_sum, n_zero_std, n_groups, n_truncated, loss,
+         kl_sum, clipped, entropy_sum, tokens) = sums
         n_tokens = max(tokens, 1.0)
         max_log_ratio = distributed.all_reduce(
             stats["max_log_ratio"].detach().float().clone(), self.world, distributed.dist.ReduceOp.MAX
         ).item()
+        reward_mean = reward_sum / n_rows
+        # TRL's reward_std: the std of all the batch's rewards (Bessel-corrected)
+        reward_var = max(reward_sq_sum - n_rows * reward_mean**2, 0.0) / max(n_rows - 1, 1.0)
         metrics = {
             "step": self.step_count,
-            "reward": reward_sum / n_rows,
-            "reward_std": std_sum / n_groups,
+            "reward": reward_mean,
+            "reward_std": math.sqrt(reward_var),
+            "reward_std/group_mean": std_sum / n_groups,
             "frac_reward_zero_std": n_zero_std / n_groups,
             "loss": loss,
             "kl": kl_sum / n_tokens,
@@ -330,6 +364,7 @@ class Trainer:
             "grad_norm": self.last_grad_norm,
             "entropy": entropy_sum / n_tokens,
             "completions/mean_length": tokens / n_rows,
+            "completions/clipped_ratio": n_truncated / n_rows,
             "log_ratio/max_abs": max_log_ratio,
             "skipped": skipped,
             "rolled_back": rolled_back,
@@ -507,7 +542,7 @@ class Trainer:
         if self.reference is not None and state["reference"] is not None:
             self.reference.load_state_dict(state["reference"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self._keep_optimizer_implementation()
+        keep_fused(self.optimizer)
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         saved_world = state.get("world_size", 1)
@@ -541,20 +576,6 @@ class Trainer:
             with open(tmp, "w") as f:
                 f.writelines(to_json_line(m) for m in self.history)
             os.replace(tmp, self.out_dir / METRICS)
-
-    def _keep_optimizer_implementation(self) -> None:
-        """load_state_dict restores the saved param groups whole, 'fused' included: a
-        checkpoint written before AdamW was fused (fused None) would switch it back, and
-        with fp16 GradScaler would then skip its unscale for an optimizer that does not do
-        it itself. Keep this optimizer's own choice, with its step counters where the fused
-        kernel wants them (float32, on the parameters' device)."""
-        fused = self.optimizer.defaults.get("fused")
-        for group in self.optimizer.param_groups:
-            group["fused"], group["foreach"] = fused, self.optimizer.defaults.get("foreach")
-            for p in group["params"]:
-                state = self.optimizer.state.get(p, {})
-                if fused and "step" in state:
-                    state["step"] = state["step"].to(p.device, torch.float32)
 
     def close(self, failed: bool = False) -> None:
         """Leave the process group of a data-parallel run (a no-op in one process); after

@@ -14,6 +14,6 @@ def _seed():
 @pytest.fixture
 def tiny():
     """The shipped tiny policy and its tokenizer, freshly loaded."""
-    from grpo_lab.models import load_policy
+    from grpo_lab.policy import load_policy
 
     return load_policy("cpu")

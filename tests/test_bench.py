@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from grpo_lab import bench
+from grpo_lab.tools import bench
 
 NUMBER = r"[-+]?\d+\.\d+"
 

@@ -7,11 +7,12 @@ import statistics
 import pytest
 import torch
 
-from grpo_lab import bugs, checks, objective
+from grpo_lab import naive, objective
+from grpo_lab.course import checks
 from grpo_lab.models import count_parameters
 from grpo_lab.sampling import completion_mask_from_ids
 from grpo_lab.tasks import addition_reward
-from grpo_lab.trainer import micro_batches
+from grpo_lab.trainer import micro_batch_slices
 
 REFERENCES = {
     checks.check_count_parameters: count_parameters,
@@ -24,7 +25,7 @@ REFERENCES = {
     checks.check_addition_reward: addition_reward,
     checks.check_first_nonfinite_step: checks.reference_first_nonfinite_step,
     checks.check_nonfinite_params: __import__("grpo_lab.health").health.nonfinite_params,
-    checks.check_micro_batch_slices: micro_batches,
+    checks.check_micro_batch_slices: micro_batch_slices,
     checks.check_exact_kl: objective.exact_kl,
     checks.check_kl_k2: objective.kl_k2,
     checks.check_sanitize_logits: checks.reference_sanitize_logits,
@@ -101,7 +102,7 @@ def _mask_without_eos(ids, eos):
 BUGS = [
     (checks.check_group_advantages, _no_eps, "NaN when every reward in a group is equal"),
     (checks.check_group_advantages, _batch_mean, "group's own mean"),
-    (checks.check_clipped_surrogate, bugs.constant_clip_surrogate, "clip_ratio * advantage"),
+    (checks.check_clipped_surrogate, naive.constant_clip_surrogate, "clip_ratio * advantage"),
     (checks.check_kl_k3, _kl_wrong_sign, "wrong sign"),
     (checks.check_kl_k3, _kl_report_003, "report 003"),
     (checks.check_token_logprobs, _raw_logits, "log_softmax"),
@@ -273,12 +274,12 @@ BUGS += [
 def test_accumulation_for_budget_reference_matches_the_trainers_micro_batches():
     """The largest of the trainer's k micro-batches has ceil(rows / k) rows, which is what the
     reference assumes."""
-    from grpo_lab.trainer import micro_batches
+    from grpo_lab.trainer import micro_batch_slices
 
     assert checks.check_accumulation_for_budget(checks.reference_accumulation_for_budget).passed
     for rows in (7, 10, 64, 100):
         for k in range(1, rows + 1):
-            biggest = max(s.stop - s.start for s in micro_batches(rows, k))
+            biggest = max(s.stop - s.start for s in micro_batch_slices(rows, k))
             assert biggest == math.ceil(rows / k)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from grpo_lab import reliability
-from grpo_lab.faults import FAULTS, empty_micro_batch_fault, run_fault
+from grpo_lab.field import reliability
+from grpo_lab.field.faults import FAULTS, empty_micro_batch_fault, run_fault
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
@@ -18,7 +18,7 @@ def test_stable_survives_and_naive_fails(name):
 def test_naive_without_a_fault_runs_clean_for_as_long():
     """Control: the naive failures above come from the faults, not from naive's own drift."""
     from grpo_lab.config import preset
-    from grpo_lab.faults import STEPS
+    from grpo_lab.field.faults import STEPS
     from grpo_lab.trainer import Trainer
 
     trainer = Trainer(preset("naive", steps=STEPS, eval_every=0, eval_size=16))

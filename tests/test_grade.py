@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from grpo_lab import grade
+from grpo_lab.course import grade, labs
 
 GOOD = '''def group_advantages(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
     g = rewards.view(-1, group_size)
@@ -17,8 +17,8 @@ NO_EPS = GOOD.replace(" + advantage_eps", "")
 STUB = '''def group_advantages(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
     raise NotImplementedError("write this")'''
 GOOD_KL = "def kl_k3(logp, ref_logp):\n    r = ref_logp - logp\n    return r.exp() - r - 1"
-CHECK_ADV = "from grpo_lab.checks import check_group_advantages\nr1 = check_group_advantages(group_advantages)"
-CHECK_KL = "from grpo_lab.checks import check_kl_k3\nr2 = check_kl_k3(kl_k3)"
+CHECK_ADV = "from grpo_lab.course.checks import check_group_advantages\nr1 = check_group_advantages(group_advantages)"
+CHECK_KL = "from grpo_lab.course.checks import check_kl_k3\nr2 = check_kl_k3(kl_k3)"
 
 
 def notebook(path, *sources):
@@ -29,13 +29,21 @@ def notebook(path, *sources):
     return path
 
 
+def use_manifest(monkeypatch, tmp_path, *solutions):
+    """Grade against a manifest made from these solution notebooks (labs.manifest_text),
+    in place of the one shipped in the package."""
+    manifest = tmp_path / "exercises.json"
+    manifest.write_text(labs.manifest_text(list(solutions)))
+    monkeypatch.setattr(labs, "MANIFEST", manifest)
+
+
 @pytest.fixture
 def solutions(tmp_path, monkeypatch):
     """A 'solution' notebook named sub.ipynb with two exercises."""
     folder = tmp_path / "solutions"
     folder.mkdir()
-    notebook(folder / "sub.ipynb", GOOD, CHECK_ADV, GOOD_KL, CHECK_KL)
-    monkeypatch.setattr(grade, "SOLUTIONS", folder)
+    use_manifest(monkeypatch, tmp_path,
+                 notebook(folder / "sub.ipynb", GOOD, CHECK_ADV, GOOD_KL, CHECK_KL))
     return folder
 
 
@@ -87,7 +95,13 @@ def test_an_unreadable_submission_does_not_stop_the_others(tmp_path, solutions, 
 
 
 def test_only_exercise_checkers_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(grade, "SOLUTIONS", tmp_path)
-    notebook(tmp_path / "s.ipynb", GOOD, CHECK_ADV,
-             "from grpo_lab.sampling import check_token_ids\ncheck_token_ids(ids, 15)")
-    assert grade.expected_exercises(tmp_path / "s.ipynb") == ["group_advantages"]
+    use_manifest(monkeypatch, tmp_path, notebook(
+        tmp_path / "s.ipynb", GOOD, CHECK_ADV,
+        "from grpo_lab.sampling import check_token_ids\ncheck_token_ids(ids, 15)"))
+    assert labs.expected_exercises("s.ipynb") == ["group_advantages"]
+
+
+def test_a_file_that_is_no_course_notebook_is_refused_clearly(tmp_path):
+    records = grade.grade_notebook(notebook(tmp_path / "renamed.ipynb", GOOD, CHECK_ADV))
+    assert [(r.points, r.max_points, r.status) for r in records] == [(0, 0, "not run")]
+    assert "not a course notebook" in records[0].reason

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from grpo_lab.labs import MarkerError, student_source
+from grpo_lab.course.labs import MarkerError, student_source
 
 SOLVED = '''def group_advantages(rewards, group_size):
     """(B,) -> (B,)"""

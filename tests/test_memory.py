@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from grpo_lab import memory
+from grpo_lab.tools import memory
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """`python -m grpo_lab.memory --quick` once: its exit code, printout and rows."""
+    """`python -m grpo_lab.tools.memory --quick` once: its exit code, printout and rows."""
     path = tmp_path_factory.mktemp("memory") / "rows.json"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

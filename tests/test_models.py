@@ -9,11 +9,11 @@ from grpo_lab.models import (
     TINY_MODEL_DIR,
     build_char_tokenizer,
     count_parameters,
-    load_policy,
     load_pretrained_gpt2,
     resolve_profile,
 )
 from grpo_lab.objective import completion_logprobs
+from grpo_lab.policy import load_policy
 from grpo_lab.sampling import greedy_accuracy, sample_group
 from grpo_lab.tasks import eval_problems
 
@@ -86,10 +86,10 @@ def test_model_path_without_config_is_a_clear_error(tmp_path):
 
 
 def test_gpu_profile_without_cuda_is_a_clear_error(monkeypatch, tmp_path):
-    import grpo_lab.warmstart as warmstart
+    import grpo_lab.policy as policy
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(warmstart, "GPU_CACHE", tmp_path / "none")
+    monkeypatch.setattr(policy, "GPU_CACHE", tmp_path / "none")
     with pytest.raises(ConfigError, match="GRPO_LAB_PROFILE=cpu"):
         load_policy("gpu")
 
@@ -102,22 +102,3 @@ def test_completion_longer_than_the_model_is_refused(tiny):
     with pytest.raises(ConfigError, match="max_new_tokens must be <= 26"):
         Trainer(preset("stable", max_new_tokens=27), model, tok)
     Trainer(preset("stable", max_new_tokens=26), model, tok)
-
-
-def test_fused_gelu_is_the_same_function(tiny):
-    """fuse_gelu swaps GPT-2's five-op gelu_new for torch's one-kernel tanh GELU: every
-    activation module replaced, the logits the same to float32 rounding."""
-    import copy
-
-    from transformers.activations import NewGELUActivation
-
-    from grpo_lab.models import fuse_gelu
-
-    model, tok = tiny
-    ids = tok(["12+34=5", "1+2=3"], return_tensors="pt", padding=True).input_ids
-    fused = fuse_gelu(copy.deepcopy(model))
-    assert not any(isinstance(m, NewGELUActivation) for m in fused.modules())
-    assert any(isinstance(m, NewGELUActivation) for m in model.modules())
-    with torch.no_grad():
-        diff = (fused(ids).logits - model(ids).logits).abs().max().item()
-    assert diff < 1e-4, diff

@@ -1,4 +1,4 @@
-"""Unit tests for grpo_lab.objective and grpo_lab.bugs: pure torch, a tiny random GPT-2
+"""Unit tests for grpo_lab.objective and grpo_lab.field.bugs: pure torch, a tiny random GPT-2
 where a model is needed, every claim checked against an independent hand computation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from grpo_lab import bugs
+from grpo_lab import naive
 from grpo_lab.objective import (
     aggregate,
     clipped_surrogate,
@@ -373,7 +373,7 @@ def test_log_ratio_clamp_bounds_the_ratio():
     assert torch.isfinite(loss).all() and torch.isfinite(y.grad).all()
 
 
-# --- 8. report 000: constant clip -----------------------------------------------------
+# --- 8. report 001: constant clip -----------------------------------------------------
 
 
 def _grad(fn, r: float, a: float) -> float:
@@ -386,11 +386,11 @@ def _grad(fn, r: float, a: float) -> float:
 def test_constant_clip_negative_advantage_unbounded():
     a = -0.5
     # the constant version's gradient is r|A| for every r > eps, e.g. r = 1e6 ...
-    assert _grad(bugs.constant_clip_surrogate, 1e6, a) == pytest.approx(1e6 * abs(a), rel=1e-9)
+    assert _grad(naive.constant_clip_surrogate, 1e6, a) == pytest.approx(1e6 * abs(a), rel=1e-9)
     # ... and at r = 0.5, where the real trust region (r < 1 - eps_low, A < 0) is clipped
     # and gives no gradient, the constant version still pushes with r|A|
     assert _grad(clipped_surrogate, 0.5, a) == 0.0
-    assert _grad(bugs.constant_clip_surrogate, 0.5, a) == pytest.approx(0.5 * abs(a))
+    assert _grad(naive.constant_clip_surrogate, 0.5, a) == pytest.approx(0.5 * abs(a))
     # NB: standard PPO clipping does not bound A < 0 at large r either (r*A is the min)
     assert _grad(clipped_surrogate, 1e6, a) == pytest.approx(1e6 * abs(a), rel=1e-9)
 
@@ -398,10 +398,10 @@ def test_constant_clip_negative_advantage_unbounded():
 def test_constant_clip_positive_advantage_has_no_gradient_inside_trust_region():
     a = 2.0
     for r in (0.85, 1.0, 1.15):
-        assert _grad(bugs.constant_clip_surrogate, r, a) == 0.0
+        assert _grad(naive.constant_clip_surrogate, r, a) == 0.0
         assert _grad(clipped_surrogate, r, a) == pytest.approx(-r * a)
     logp = torch.log(torch.tensor([[0.1, 0.85, 1.0, 5.0]]))
-    loss, region = bugs.constant_clip_surrogate(logp, torch.zeros_like(logp), torch.tensor([a]))
+    loss, region = naive.constant_clip_surrogate(logp, torch.zeros_like(logp), torch.tensor([a]))
     torch.testing.assert_close(loss, torch.tensor([[-0.1 * a, -0.2 * a, -0.2 * a, -0.2 * a]]))
     assert region.tolist() == [[False, True, True, True]]
 
@@ -414,7 +414,7 @@ def test_sequence_log_ratio_inputs():
     logp = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 4
     base = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 4
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
-    new_logp, new_base = bugs.sequence_log_ratio_inputs(logp, base, mask)
+    new_logp, new_base = naive.sequence_log_ratio_inputs(logp, base, mask)
     assert new_logp.shape == logp.shape and new_base.shape == base.shape
     diff = new_logp - new_base
     for b in range(3):
@@ -424,7 +424,7 @@ def test_sequence_log_ratio_inputs():
     assert (diff[2] == 0).all()
     # a drift of 0.5 nats/token over 200 tokens sums to 100: exp overflows float32
     drift = torch.full((1, 200), 0.5)
-    lp, bl = bugs.sequence_log_ratio_inputs(drift, torch.zeros_like(drift), torch.ones(1, 200))
+    lp, bl = naive.sequence_log_ratio_inputs(drift, torch.zeros_like(drift), torch.ones(1, 200))
     assert torch.isinf(torch.exp(lp - bl)).all()
 
 
@@ -509,41 +509,3 @@ def test_unknown_loss_type_raises():
         token_weights(mask, "sequence_mean", C)
     with pytest.raises(ValueError):
         aggregate(torch.zeros_like(mask), mask, "GRPO")
-
-
-@pytest.mark.parametrize("rows", [slice(None), slice(1, 10)], ids=["groups", "split-groups"])
-def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
-    """share_prompts runs each distinct prompt once: same logits, same gradients, also for
-    a micro-batch that cuts through groups."""
-    from grpo_lab.objective import completion_logits
-    from grpo_lab.sampling import sample_group
-
-    model, tok = tiny
-    r = sample_group(model, tok, ["1+2=", "12+34=", "5+67="], 4, 5)  # left-padded groups
-    ids, attn, C = r.input_ids[rows], r.attention_mask[rows], r.completion_length
-    m = r.completion_mask[rows].bool()
-    weights = torch.randn(m.shape) * m
-
-    batch_sizes = []  # rows of each transformer call: the shared path runs the prompts alone
-
-    def count_rows(module, args, kwargs):
-        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
-        batch_sizes.append(len(ids))
-
-    hook = model.transformer.register_forward_pre_hook(count_rows, with_kwargs=True)
-
-    def logits_and_grad(share: bool):
-        model.zero_grad(set_to_none=True)
-        batch_sizes.clear()
-        logits = completion_logits(model, ids, attn, C, 0.7, share_prompts=share)
-        calls[share] = list(batch_sizes)
-        (logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1) * weights).sum().backward()
-        return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
-
-    calls = {}
-    (full, g_full), (shared, g_shared) = logits_and_grad(False), logits_and_grad(True)
-    hook.remove()
-    distinct = len(set(r.prompt_index[rows].tolist()))
-    assert calls[False] == [len(ids)] and calls[True] == [distinct, len(ids)], calls
-    assert ((full - shared).abs() * m[..., None]).max() < 1e-5
-    assert (g_full - g_shared).norm() / g_full.norm() < 1e-5

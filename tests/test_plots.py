@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo_lab.plots import moving_average
+from grpo_lab.course.plots import moving_average
 
 
 def test_moving_average_is_the_mean_of_the_last_window_values():

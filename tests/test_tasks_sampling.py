@@ -149,3 +149,43 @@ def test_sampling_nothing_is_refused(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         sample_group(model, tok, ["1+2="], 2, 0)
+
+
+def test_a_truncated_completion_scores_zero():
+    """The task's contract: the sum followed by end-of-text. "12   " cut off at the
+    length cap has not answered; the same text that ended scores 1."""
+    assert addition_reward(["12   ", "12", " 7"], ["12", "12", "7"],
+                           truncated=[True, False, False]) == [0.0, 1.0, 1.0]
+    assert addition_reward(["12"], ["12"]) == [1.0]  # no truncation column: none was cut
+
+
+def test_rollout_marks_rows_without_eos_as_truncated(tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    r = sample_group(model, tok, ["1+2=", "12+34="], 4, 2)  # 2 tokens: many rows cut off
+    has_eos = (r.completion_ids == tok.eos_token_id).any(-1)
+    assert torch.equal(r.truncated, ~has_eos)
+    assert r.truncated.any() and (~r.truncated).any(), r.truncated
+
+
+def test_sanitising_comes_after_the_temperature(tiny):
+    """A +inf logit made finite (the largest float) before a temperature below 1 divides it
+    overflows again to inf and the draw fails; sanitised after the temperature it is
+    simply the certain token."""
+    model, tok = tiny
+
+    class InfLogit(torch.nn.Module):  # the tiny model with token 5's logit set to +inf
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def get_input_embeddings(self):
+            return model.get_input_embeddings()
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            out.logits[..., 5] = float("inf")
+            return out
+
+    r = sample_group(InfLogit(), tok, ["1+2="], 2, 3, temperature=0.5, safe=True)
+    assert (r.completion_ids == 5).all()

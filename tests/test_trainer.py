@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from grpo_lab.config import LOSS_TYPES, preset
+from grpo_lab.config import LOSS_TYPES, GRPOConfig, preset
 from grpo_lab.models import frozen_copy
 from grpo_lab.objective import completion_logprobs
 from grpo_lab.sampling import sample_group
-from grpo_lab.trainer import Trainer, micro_batches, read_metrics, without_timing
+from grpo_lab.trainer import Trainer, micro_batch_slices, read_metrics, without_timing
 
 
 def _grads(model):
@@ -47,10 +47,10 @@ def test_accumulated_gradient_equals_full_batch(tiny, loss_type, beta):
 
 
 def test_micro_batches_are_never_empty():
-    assert [s.stop - s.start for s in micro_batches(16, 3)] == [6, 5, 5]
-    assert [s.stop - s.start for s in micro_batches(2, 2)] == [1, 1]
+    assert [s.stop - s.start for s in micro_batch_slices(16, 3)] == [6, 5, 5]
+    assert [s.stop - s.start for s in micro_batch_slices(2, 2)] == [1, 1]
     with pytest.raises(ValueError, match="non-empty"):
-        micro_batches(1, 4)  # report 004: batch_size=1 with accum_steps>1
+        micro_batch_slices(1, 4)  # report 004: batch_size=1 with accum_steps>1
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -325,3 +325,37 @@ def test_resuming_a_checkpoint_of_the_unfused_optimizer_keeps_fused_adamw(tmp_pa
     assert all(g["fused"] for g in resumed.optimizer.param_groups)
     m = resumed.step()
     assert math.isfinite(m["loss"]) and m["skipped"] == 0
+
+
+def test_reward_metrics_follow_trl(tiny):
+    """reward_std is TRL's: the std of every reward in the batch (Bessel); the mean of the
+    per-group stds, which the advantages divide by, is logged as reward_std/group_mean."""
+    model, tok = tiny
+    cfg = GRPOConfig(prompts_per_step=4, group_size=4, max_new_tokens=3, eval_every=0,
+                     eval_size=1, steps=1)
+    trainer = Trainer(cfg, model, tok)
+    rewards = []
+    trainer.reward_fn = lambda completions, **cols: rewards.extend(
+        [float(i % 3) for i in range(len(completions))]) or rewards[-len(completions):]
+    m = trainer.step()
+    r = torch.tensor(rewards)
+    assert m["reward_std"] == pytest.approx(r.std().item(), rel=1e-6)
+    assert m["reward_std/group_mean"] == pytest.approx(r.view(4, 4).std(1).mean().item(), rel=1e-6)
+    assert m["reward_std"] != pytest.approx(m["reward_std/group_mean"])
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_mask_truncated_completions(tiny, masked):
+    """TRL's switch: rows cut off at max_new_tokens get no loss weight (but keep their
+    reward in the group's advantages); completions/clipped_ratio counts them either way."""
+    model, tok = tiny
+    cfg = GRPOConfig(prompts_per_step=8, group_size=4, max_new_tokens=3, eval_every=0,
+                     eval_size=1, steps=1, mask_truncated_completions=masked)
+    trainer = Trainer(cfg, model, tok)
+    batch = trainer.make_batch()
+    cut = batch.rollout.truncated
+    assert cut.any() and (~cut).any()
+    assert (batch.weights[cut] == 0).all() == masked
+    assert (batch.weights[~cut].sum(-1) > 0).all()
+    m = trainer.step()
+    assert 0 < m["completions/clipped_ratio"] < 1

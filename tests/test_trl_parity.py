@@ -23,8 +23,8 @@ from trl import GRPOConfig as TRLConfig  # the test extra pins trl==1.16.0 (pypr
 from trl import GRPOTrainer
 
 from grpo_lab.config import LOSS_TYPES, GRPOConfig
-from grpo_lab.models import load_policy
 from grpo_lab.objective import completion_logprobs, position_ids_from_mask, token_weights
+from grpo_lab.policy import load_policy
 from grpo_lab.sampling import Rollout
 from grpo_lab.trainer import StepBatch, Trainer
 

@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_lab.models import TINY_MODEL_DIR
-from grpo_lab.warmstart import build_tiny_model
+from grpo_lab.tools.warmstart import build_tiny_model
 
 
 def test_build_model_reproduces_the_shipped_weights(tmp_path):

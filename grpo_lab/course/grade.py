@@ -7,7 +7,7 @@ $GRPO_LAB_GRADING_LOG; the grader reads them back. Cells that raise do not stop 
 checker never ran gets 0 points with the reason. One bad submission never stops the others.
 
 The exercises a notebook must have are the `check_<name>(` calls in the solution notebook
-of the same file name (solutions/), one point each.
+of the same file name, from the manifest shipped in the package (labs.py), one point each.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .labs import SOLUTIONS
+import nbformat
 
-LOG_ENV = "GRPO_LAB_GRADING_LOG"
-CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")
+from .checks import LOG_ENV
+from .labs import expected_exercises
 
 
 @dataclass
@@ -37,36 +36,8 @@ class Record:
     reason: str
 
 
-def record_check(exercise: str, status: str, reason: str) -> None:
-    """Called by every checker; a no-op unless a grader set $GRPO_LAB_GRADING_LOG."""
-    path = os.environ.get(LOG_ENV)
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"exercise": exercise, "status": status, "reason": reason}) + "\n")
-
-
-def expected_exercises(notebook: Path) -> list[str]:
-    """The checks in the solution notebook of the same name, in order (only names that
-    are exercise checkers in grpo_lab.checks: `sampling.check_token_ids` is not one)."""
-    import nbformat
-
-    from . import checks
-
-    solution = SOLUTIONS / notebook.name
-    if not solution.exists():
-        return []
-    names: list[str] = []
-    for cell in nbformat.read(solution, as_version=4).cells:
-        if cell.cell_type == "code":
-            for name in CHECK_CALL.findall(cell.source):
-                if hasattr(checks, f"check_{name}") and name not in names:
-                    names.append(name)
-    return names
-
-
 def run_submission(path: Path, cell_timeout: int) -> tuple[list[dict], str | None]:
     """Execute `path`; returns (checker records, why it stopped early or None)."""
-    import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
@@ -99,7 +70,11 @@ def run_submission(path: Path, cell_timeout: int) -> tuple[list[dict], str | Non
 
 
 def grade_notebook(path: Path, cell_timeout: int = 300) -> list[Record]:
-    expected = expected_exercises(path)
+    expected = expected_exercises(path.name)
+    if expected is None:
+        return [Record(str(path), "(none)", 0, 0, "not run",
+                       f"{path.name} is not a course notebook: submit it under its course "
+                       "file name (e.g. 03_the_grpo_objective.ipynb)")]
     records, stopped = run_submission(path, cell_timeout)
     latest = {r["exercise"]: r for r in records}  # a re-run check counts its last verdict
     names = expected + [n for n in latest if n not in expected]

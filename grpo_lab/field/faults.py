@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, preset
-from .health import nonfinite_params
-from .sampling import SamplingError
-from .tasks import RewardError, addition_reward
+from ..config import CHECKPOINT, ConfigError, preset
+from ..health import nonfinite_params
+from ..sampling import SamplingError
+from ..tasks import RewardError, addition_reward
+from ..trainer import Trainer
+from .scenarios import run_scenario
 
 INJECT_AT = 7  # the step whose work the fault breaks (after the spike rule's warm-up)
 STEPS = 8
@@ -161,9 +163,6 @@ FAULTS: dict[str, Callable] = {
 
 def run_fault(name: str, preset_name: str, **overrides) -> FaultResult:
     """Train STEPS steps with the fault injected at step INJECT_AT; report what happened."""
-    from .config import CHECKPOINT
-    from .trainer import Trainer
-
     if preset_name == "stable":
         overrides.setdefault("reward_timeout", 2.0)
     cfg = preset(preset_name, steps=STEPS, checkpoint_every=2, eval_every=0, eval_size=16,
@@ -206,7 +205,6 @@ def run_fault(name: str, preset_name: str, **overrides) -> FaultResult:
 def empty_micro_batch_fault() -> tuple[str, str]:
     """The one fault a config catches before a trainer exists: more micro-batches than
     rows. Returns (stable's answer, naive report-004 chunking's answer)."""
-    from .scenarios import run_scenario
 
     try:
         preset("stable", prompts_per_step=1, group_size=2, grad_accum_steps=4)

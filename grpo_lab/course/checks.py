@@ -12,7 +12,9 @@ An exercise still raising NotImplementedError reports "not implemented yet".
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -20,9 +22,23 @@ from dataclasses import dataclass
 
 import torch
 
-from . import objective
-from .grade import record_check
-from .trainer import SPIKE_MIN_HISTORY
+from .. import naive, objective
+from ..distributed import World, shard
+from ..health import nonfinite_params
+from ..models import count_parameters
+from ..sampling import SamplingError, SanitizeLogits, completion_mask_from_ids
+from ..tasks import addition_reward
+from ..trainer import SPIKE_MIN_HISTORY, micro_batch_slices
+
+LOG_ENV = "GRPO_LAB_GRADING_LOG"  # set by the grader: where checkers record verdicts
+
+
+def record_check(exercise: str, status: str, reason: str) -> None:
+    """Called by every checker; a no-op unless a grader set $GRPO_LAB_GRADING_LOG."""
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"exercise": exercise, "status": status, "reason": reason}) + "\n")
 
 
 @dataclass
@@ -107,7 +123,6 @@ def _gen(seed: int) -> torch.Generator:
 
 # --- 00 --------------------------------------------------------------------------------------
 def check_count_parameters(fn: Callable) -> CheckResult:
-    from .models import count_parameters
 
     def case(f, model):
         _expect(f(model), count_parameters(model), "the count")
@@ -224,7 +239,6 @@ def check_kl_k3(fn: Callable) -> CheckResult:
 
 
 def check_clipped_surrogate(fn: Callable) -> CheckResult:
-    from . import bugs
 
     ref = objective.clipped_surrogate
     old = -torch.rand(6, 3, generator=_gen(6)) * 2
@@ -238,10 +252,10 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
         if not (isinstance(got, tuple) and len(got) == 2):
             raise Mismatch("return (per_token_loss, region_clipped), a pair of (B, C) tensors")
         want_loss, want_clipped = ref(logp, old, adv, eps_low, eps_high)
-        const, _ = bugs.constant_clip_surrogate(logp, old, adv, eps_low, eps_high)
+        const, _ = naive.constant_clip_surrogate(logp, old, adv, eps_low, eps_high)
         if _close(got[0], const) and not _close(got[0], want_loss):
             raise Mismatch("your clipped term multiplies the advantage by the clip range "
-                           "(report 000's `clip_ratio * advantage`); clip the *ratio*: "
+                           "(report 001's `clip_ratio * advantage`); clip the *ratio*: "
                            "clamp(r, 1 - eps_low, 1 + eps_high) * A")
         _expect(got[0], want_loss, f"the per-token loss (eps_low={eps_low}, eps_high={eps_high})")
         _expect(got[1].bool(), want_clipped, "region_clipped")
@@ -284,13 +298,15 @@ def check_token_weights(fn: Callable) -> CheckResult:
 
 # --- 04 --------------------------------------------------------------------------------------
 def check_addition_reward(fn: Callable) -> CheckResult:
-    from .tasks import addition_reward
 
-    def case(completions, answers, what):
+    def case(completions, answers, what, truncated=None):
         def run(f):
-            got = f(completions, answer=answers, prompt=["?"] * len(completions))
+            columns = {"prompt": ["?"] * len(completions)}
+            if truncated is not None:
+                columns["truncated"] = truncated
+            got = f(completions, answer=answers, **columns)
             got = list(got) if got is not None else None
-            _expect(got, addition_reward(completions, answers), what)
+            _expect(got, addition_reward(completions, answers, truncated), what)
         return run
 
     return run_check("addition_reward", fn, addition_reward, [
@@ -298,6 +314,11 @@ def check_addition_reward(fn: Callable) -> CheckResult:
         ("wrong answers", case(["45", "", "4"], ["46", "0", "46"], "rewards for wrong answers")),
         ("surrounding spaces", case([" 46", "46 "], ["46", "46"], "rewards with spaces")),
         ("extra columns in **kwargs", case(["1"], ["1"], "rewards")),
+        ("a completion cut off at max_new_tokens", case(
+            ["46", "46", "12   "], ["46", "46", "12"],
+            "rewards when truncated=[False, True, True]: a completion that hit max_new_tokens "
+            "without end-of-text never finished its answer and scores 0.0",
+            truncated=[False, True, True])),
     ])
 
 
@@ -458,7 +479,6 @@ def check_should_skip(fn: Callable) -> CheckResult:
 
 # --- 07 --------------------------------------------------------------------------------------
 def check_nonfinite_params(fn: Callable) -> CheckResult:
-    from .health import nonfinite_params
 
     def model_with(values: dict[str, float]) -> torch.nn.Module:
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
@@ -492,7 +512,6 @@ def check_nonfinite_params(fn: Callable) -> CheckResult:
 
 # --- 08 --------------------------------------------------------------------------------------
 def check_micro_batch_slices(fn: Callable) -> CheckResult:
-    from .trainer import micro_batches
 
     def same_split(n, k):
         def case(f):
@@ -507,7 +526,7 @@ def check_micro_batch_slices(fn: Callable) -> CheckResult:
                 if rows != list(range(n)):
                     raise Mismatch(f"{n} rows, k={k}: your slices cover rows {rows}, expected "
                                    f"0..{n - 1} once each, in order")
-            _expect(list(got) if isinstance(got, tuple) else got, micro_batches(n, k),
+            _expect(list(got) if isinstance(got, tuple) else got, micro_batch_slices(n, k),
                     f"the slices for {n} rows, k={k}")
         return case
 
@@ -521,7 +540,7 @@ def check_micro_batch_slices(fn: Callable) -> CheckResult:
                            "ValueError (a micro-batch would be empty: report 004)")
         return case
 
-    return run_check("micro_batch_slices", fn, micro_batches, [
+    return run_check("micro_batch_slices", fn, micro_batch_slices, [
         ("16 rows into 3 (sizes 6, 5, 5)", same_split(16, 3)),
         ("64 rows into 4", same_split(64, 4)),
         ("k = 1: the whole batch", same_split(5, 1)),
@@ -586,8 +605,6 @@ def check_kl_k2(fn: Callable) -> CheckResult:
 # --- 10 --------------------------------------------------------------------------------------
 def reference_sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
     """The package's SanitizeLogits as a function of the logits alone, raising ValueError."""
-    from .sampling import SamplingError, SanitizeLogits
-
     try:
         return SanitizeLogits()(torch.zeros(logits.shape[0], 0, dtype=torch.long), logits)
     except SamplingError as e:
@@ -625,7 +642,6 @@ def check_sanitize_logits(fn: Callable) -> CheckResult:
 
 
 def check_completion_mask_from_ids(fn: Callable) -> CheckResult:
-    from .sampling import completion_mask_from_ids
 
     def same_mask(ids, eos, what):
         def case(f):
@@ -698,7 +714,6 @@ def check_accumulation_for_budget(fn: Callable) -> CheckResult:
 
 # --- 12 --------------------------------------------------------------------------------------
 def reference_shard_rows(prompts: int, group_size: int, rank: int, world_size: int) -> range:
-    from .distributed import World, shard
 
     if prompts % world_size:
         raise ValueError(f"prompts ({prompts}) must be divisible by world_size ({world_size})")

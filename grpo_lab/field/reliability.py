@@ -18,11 +18,13 @@ import time
 import typing
 from pathlib import Path
 
-from .config import GRPOConfig
+from ..config import GRPOConfig, preset
+from ..trainer import Trainer, read_metrics, without_timing
+from .faults import FAULTS, empty_micro_batch_fault, run_fault
+from .scenarios import CATALOG, run_scenario
 
 
 def check_scenarios(log) -> tuple[int, int]:
-    from .scenarios import CATALOG, run_scenario
 
     ok = 0
     for name in CATALOG:
@@ -34,7 +36,6 @@ def check_scenarios(log) -> tuple[int, int]:
 
 
 def check_faults(log) -> tuple[int, int]:
-    from .faults import FAULTS, empty_micro_batch_fault, run_fault
 
     ok = 0
     for name in FAULTS:
@@ -120,8 +121,6 @@ RESUME_CONFIGS = [
 
 
 def check_resumes(log) -> tuple[int, int]:
-    from .config import preset
-    from .trainer import Trainer, read_metrics, without_timing
 
     ok = 0
     for overrides in RESUME_CONFIGS:

@@ -1,13 +1,14 @@
 """grpo_lab vs TRL: the same GRPO run through both trainers, side by side.
 
-    python -m grpo_lab.bench [--steps 150] [--seeds 3] [--threads 1] [--device cpu]
-    python -m grpo_lab.bench --steps 3 --seeds 1   # smoke test
-    python -m grpo_lab.bench --profile gpu --device cuda --steps 50   # GPT-2 124M on a GPU
+    python -m grpo_lab.tools.bench [--steps 150] [--seeds 3] [--threads 1] [--device cpu]
+    python -m grpo_lab.tools.bench --steps 3 --seeds 1   # smoke test
+    python -m grpo_lab.tools.bench --profile gpu --device cuda --steps 50   # GPT-2 124M on a GPU
 
 Both sides start from the same weights (the profile's model: the shipped tiny GPT-2, or
 GPT-2 124M with `--profile gpu`), see the same prompts in
 the same order (grpo_lab's seeded ProblemStream, handed to TRL as an unshuffled dataset),
-score them with the same reward (`tasks.addition_reward`, already in TRL's signature) and
+score them with the same reward (`tasks.addition_reward`, in TRL's signature; the TRL side
+works out `truncated` from the completion ids TRL passes) and
 use the same G, completion cap, temperature, learning rate, beta and grad clipping. Each
 side runs in its own subprocess, one after the other (alternating per seed, so drifting
 machine load hits both alike), so its peak memory is its own and the two never compete
@@ -36,7 +37,14 @@ import sys
 import tempfile
 import time
 
-from .config import PROFILE_MODELS
+from ..config import PROFILE_MODELS, preset
+from ..models import quiet_loading
+from ..policy import load_policy
+from ..sampling import greedy_accuracy
+from ..tasks import ProblemStream, addition_reward, eval_problems
+from ..trainer import Trainer
+from .memory import maxrss_mib
+from .parser import Parser, UsageError
 
 RESULT = "BENCH_RESULT "  # prefix of the one JSON line a side prints on stdout
 SIDES = ("grpo_lab", "TRL")
@@ -52,8 +60,6 @@ PEAK_FP32_TFLOPS = {"H200": 67.0, "H100 PCIe": 51.0, "H100 NVL": 60.0, "H100": 6
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The benchmark's options; a bad one raises cli.UsageError (one line, exit 2 in main)."""
-    from .cli import Parser
-
     ap = Parser(prog="python -m grpo_lab bench", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps per run (3: smoke)")
     ap.add_argument("--seeds", type=int, default=3,
@@ -90,7 +96,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def bench_config(args: argparse.Namespace):
     """grpo_lab's stable preset (every safety switch on) on the tiny model; TRL copies the
     knobs it shares with it from this config."""
-    from .config import preset
 
     return preset("stable", seed=args.seed, steps=args.steps, profile=args.profile,
                   device=args.device, eval_every=0, eval_size=EVAL_SIZE, checkpoint_every=0)
@@ -116,8 +121,6 @@ def matmul_params(model) -> int:
 
 def mean_prompt_tokens(tokenizer, cfg) -> float:
     """Mean tokens per prompt over the run's prompts (ProblemStream(seed), in order)."""
-    from .tasks import ProblemStream
-
     problems = ProblemStream(cfg.seed).sample(cfg.prompts_per_step * cfg.steps)
     ids = tokenizer([p.prompt for p in problems], add_special_tokens=False).input_ids
     return sum(map(len, ids)) / len(ids)
@@ -186,7 +189,6 @@ def distance(model, start: list) -> float:
 def peak_memory_mib(device: str) -> dict:
     import torch
 
-    from .memory import maxrss_mib
 
     out = {"peak_rss_mib": maxrss_mib()}
     if device == "cuda":
@@ -195,7 +197,6 @@ def peak_memory_mib(device: str) -> dict:
 
 
 def run_grpo_lab(args: argparse.Namespace) -> dict:
-    from .trainer import Trainer
 
     cfg = bench_config(args)
     trainer = Trainer(cfg)
@@ -218,9 +219,6 @@ def run_grpo_lab(args: argparse.Namespace) -> dict:
 def run_trl(args: argparse.Namespace) -> dict:
     from datasets import Dataset
 
-    from .models import load_policy
-    from .sampling import greedy_accuracy
-    from .tasks import ProblemStream, eval_problems
 
     cfg = bench_config(args)
     model, tokenizer = load_policy(cfg.profile)
@@ -246,8 +244,6 @@ def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
 
-    from .models import quiet_loading
-    from .tasks import addition_reward
 
     trl_args = TRLConfig(
         output_dir=out_dir,
@@ -318,9 +314,14 @@ def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
             self.progress.step_done(metrics["reward"][-1], metrics["completions/mean_length"][-1]
                                     * cfg.prompts_per_step * cfg.group_size)
 
+    def reward(completions, answer, completion_ids, **_):
+        # the same contract as grpo_lab's trainer: a completion without EOS scores 0
+        truncated = [tokenizer.eos_token_id not in ids for ids in completion_ids]
+        return addition_reward(completions, answer, truncated)
+
     timer = Timer()
     with quiet_loading():  # TRL loads the reference from the model's directory
-        trainer = GRPOTrainer(model=model, reward_funcs=addition_reward, args=trl_args,
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_args,
                               train_dataset=dataset, processing_class=tokenizer,
                               callbacks=[timer])
     return trainer, timer
@@ -350,7 +351,7 @@ def run_side(args: argparse.Namespace) -> int:
 # ---- the comparison ------------------------------------------------------------------------
 def spawn(side: str, seed: int, args: argparse.Namespace) -> dict:
     """Run one side for one seed in a fresh process; its result dict."""
-    cmd = [sys.executable, "-m", "grpo_lab.bench", "--side", side, "--steps", str(args.steps),
+    cmd = [sys.executable, "-m", "grpo_lab.tools.bench", "--side", side, "--steps", str(args.steps),
            "--seed", str(seed), "--threads", str(args.threads), "--device", args.device,
            "--profile", args.profile]
     env = {**os.environ, "GRPO_LAB_PROFILE": args.profile, "TOKENIZERS_PARALLELISM": "false"}
@@ -449,7 +450,6 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import UsageError
 
     try:
         args = parse_args(argv)

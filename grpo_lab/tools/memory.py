@@ -1,8 +1,8 @@
 """Peak memory of one training step, and what batch, G, length, accumulation and
 activation checkpointing do to it (the "memory pressure" failure of reports 003/004).
 
-    python -m grpo_lab.memory            # the table (about a minute on 2 CPU cores)
-    python -m grpo_lab.memory --quick    # four rows
+    python -m grpo_lab.tools.memory            # the table (about a minute on 2 CPU cores)
+    python -m grpo_lab.tools.memory --quick    # four rows
 
 What is measured: the peak of one full `Trainer.step()` (sample, reference forward,
 training forward + backward per micro-batch, optimizer update) above the idle baseline
@@ -62,13 +62,17 @@ from pathlib import Path
 
 import torch
 
-from .config import PROFILE_MODELS, ConfigError, GRPOConfig
+from ..config import PROFILE_MODELS, ConfigError, GRPOConfig
+from ..models import resolve_device
+from ..policy import load_policy
+from ..trainer import Trainer
+from .parser import Parser, UsageError
 
 MIB = 2**20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD = 64 * 1024  # allocations this large get their own mapping while measuring
 METHODS = ("proc", "rusage", "cuda")
-RESULT_TAG = "@@grpo_lab.memory@@ "  # marks the worker's answer among anything else it prints
+RESULT_TAG = "@@grpo_lab.tools.memory@@ "  # marks the worker's answer among anything else it prints
 # the capped step: 128 prompts x G=8 = 1024 rows, in fresh processes (1 thread, the fixed
 # mmap threshold). A sweep of budgets: all 1024 rows at once failed with 20 to 160 MiB and
 # ran with 180 and 220 MiB; in 8 micro-batches they ran with 40 to 220 MiB and failed with
@@ -134,8 +138,6 @@ def _proc_peak_resettable() -> bool:
 
 def default_method(device: str | None) -> str:
     """'cuda' on a CUDA device, 'proc' where /proc can reset the peak, else 'rusage'."""
-    from .models import resolve_device
-
     if resolve_device(device).type == "cuda":
         return "cuda"
     return "proc" if _proc_peak_resettable() else "rusage"
@@ -143,8 +145,6 @@ def default_method(device: str | None) -> str:
 
 # ---- one measurement, in this process ---------------------------------------------------
 def _build_trainer(cfg: GRPOConfig):
-    from .models import load_policy
-    from .trainer import Trainer
 
     trainer = Trainer(cfg, *load_policy(cfg.profile, cfg.model_path))
     lengths: list[int] = []
@@ -210,13 +210,13 @@ def _measure_worker(configs: list[dict], method: str, warm_up: bool) -> list[dic
 
 # ---- subprocesses -------------------------------------------------------------------------
 def _run_worker(request: dict, timeout: float = 600) -> dict:
-    """Run `request` in a fresh `python -m grpo_lab.memory --worker` and return its answer."""
+    """Run `request` in a fresh `python -m grpo_lab.tools.memory --worker` and return its answer."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)  # works from a source tree too
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer threads appearing mid-step
     proc = subprocess.run(
-        [sys.executable, "-m", "grpo_lab.memory", "--worker"], input=json.dumps(request),
+        [sys.executable, "-m", "grpo_lab.tools.memory", "--worker"], input=json.dumps(request),
         capture_output=True, text=True, timeout=timeout, env=env,
     )
     answers = [line[len(RESULT_TAG):] for line in proc.stdout.splitlines()
@@ -450,7 +450,6 @@ def _worker_main() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import Parser, UsageError  # one line and exit 2 for a bad flag
 
     parser = Parser(
         prog="python -m grpo_lab memory",

@@ -1,9 +1,13 @@
-"""Warm start: a short supervised run on the task that stops while the model is only
-partly right (greedy accuracy in the target band), so GRPO's groups have reward variance
-from step 0 and RL has room to climb.
+"""The policy a profile trains, and the warm start that makes it trainable.
 
-`python -m grpo_lab build-model` regenerates the shipped tiny model deterministically
-(same torch version -> same weights): one CPU thread, fixed seeds, fixed data order.
+- cpu: the tiny GPT-2 shipped in the package (`assets/tiny-gpt2`, rebuilt bit for bit by
+  `python -m grpo_lab build-model`).
+- gpu: GPT-2 124M: the pretrained `gpt2` when the hub or its cache has it, else the 124M
+  architecture; either way warm-started on the task once and cached.
+
+Warm start: a short supervised run on the task that stops while the model is only partly
+right (greedy accuracy in the target band), so GRPO's groups have reward variance from
+step 0 and RL has room to climb.
 """
 
 from __future__ import annotations
@@ -14,16 +18,17 @@ from pathlib import Path
 import torch
 from transformers import GPT2LMHeadModel
 
+from .config import ConfigError
 from .models import (
     CACHE_DIR,
     TINY_MODEL_DIR,
+    apply_thread_policy,
     build_char_tokenizer,
-    count_parameters,
     gpt2_124m_config,
     load_local,
     load_pretrained_gpt2,
     prepare_tokenizer,
-    tiny_gpt2_config,
+    resolve_profile,
 )
 from .objective import position_ids_from_mask, sequence_mean_nll
 from .sampling import greedy_accuracy
@@ -91,26 +96,6 @@ def warm_start(
     return {"steps": step, "dev_accuracy": acc, "seconds": round(time.time() - t0, 1)}
 
 
-def build_tiny_model(out_dir: Path = TINY_MODEL_DIR, log=print) -> dict:
-    """Regenerate the shipped tiny GPT-2 (deterministic on one CPU thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tokenizer = build_char_tokenizer()
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(tiny_gpt2_config(len(tokenizer)))
-        summary = warm_start(model, tokenizer, log=log)
-    finally:
-        torch.set_num_threads(threads)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    summary["parameters"] = count_parameters(model)
-    log(f"[warm start] saved {summary['parameters']:,} parameters to {out_dir}: {summary}")
-    return summary
-
-
 GPU_CACHE = CACHE_DIR / "gpt2-124m-warm"
 
 
@@ -134,3 +119,25 @@ def gpu_policy(cache_dir: Path = GPU_CACHE, pretrained: str = "gpt2"):
     model.cpu().save_pretrained(cache_dir)
     tokenizer.save_pretrained(cache_dir)
     return model, tokenizer
+
+
+def load_policy(profile: str | None = None, model_path: str | Path | None = None):
+    """(policy, tokenizer) for a profile, or from `model_path` when given. Applies the
+    profile's CPU thread policy (models.apply_thread_policy)."""
+    if model_path is not None:
+        return load_local(model_path)
+    profile = resolve_profile(profile)
+    apply_thread_policy(profile)
+    if profile == "cpu":
+        if not (TINY_MODEL_DIR / "model.safetensors").is_file():
+            raise FileNotFoundError(
+                f"the shipped tiny model is missing from {TINY_MODEL_DIR}; "
+                "regenerate it with `python -m grpo_lab build-model`"
+            )
+        return load_local(TINY_MODEL_DIR)
+    if not torch.cuda.is_available() and not (GPU_CACHE / "config.json").is_file():
+        raise ConfigError(
+            "profile 'gpu' (GPT-2 124M) needs CUDA to warm-start the model, and none is "
+            "available; use GRPO_LAB_PROFILE=cpu (the tiny GPT-2)"
+        )
+    return gpu_policy()

@@ -24,6 +24,16 @@ from pathlib import Path
 
 import torch
 
+from .. import naive
+from ..config import GRPOConfig, preset
+from ..health import Snapshot, nonfinite_params
+from ..objective import exact_kl, group_advantages, kl_k3
+from ..policy import load_policy
+from ..sampling import encode_prompts, generation_config, sample_group, transformers_messages
+from ..tools import memory
+from ..trainer import Trainer, micro_batch_slices, read_metrics
+from . import bugs
+
 
 @dataclass
 class Outcome:
@@ -34,7 +44,7 @@ class Outcome:
 @dataclass
 class Scenario:
     name: str
-    report: str  # the field report it comes from (seed file prefix), or "-" for DESIGN.md
+    report: str  # the field report it comes from (its number), or "-": a failure the course adds
     symptom: str
     cause: str
     fix: str
@@ -66,8 +76,6 @@ def _device() -> torch.device:
 
 
 def _tiny():
-    from .models import load_policy
-
     torch.manual_seed(0)
     model, tok = load_policy("cpu")
     return model.to(_device()), tok
@@ -75,8 +83,6 @@ def _tiny():
 
 # --- 000: NaN parameters -> sampling crash in round 2 ------------------------------------
 def nan_params_sampling_crash(fixed: bool) -> Outcome:
-    from .health import Snapshot, nonfinite_params
-    from .sampling import sample_group
 
     model, tok = _tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -96,7 +102,6 @@ def nan_params_sampling_crash(fixed: bool) -> Outcome:
 
 # --- 002: a pad token the embedding does not have ---------------------------------------
 def pad_token_vocab_mismatch(fixed: bool) -> Outcome:
-    from .sampling import encode_prompts
 
     model, tok = _tiny()
     tok.add_special_tokens({"pad_token": "<new-pad>"})  # id == vocab size: no embedding row
@@ -111,13 +116,9 @@ def pad_token_vocab_mismatch(fixed: bool) -> Outcome:
     return Outcome(False, f"embeddings resized to {len(tok)} rows; forward works")
 
 
-# --- 003 / DESIGN: gradient accumulation --------------------------------------------------
+# --- 003 and the course: gradient accumulation----------------------------------------------
 def _accumulation_error(variant: str) -> float:
     """Relative error of an accumulated gradient against the full-batch one."""
-    from . import bugs
-    from .config import preset
-    from .trainer import Trainer
-
     model, tok = _tiny()
     trainer = Trainer(preset("stable", prompts_per_step=4, group_size=4, temperature=1.3),
                       model, tok)
@@ -148,12 +149,11 @@ def _accumulation_scenario(variant: str) -> Callable[[bool], Outcome]:
 
 # --- 004: report 004's chunking ----------------------------------------------------------
 def empty_micro_batch(fixed: bool) -> Outcome:
-    from .trainer import micro_batches
 
     model, _ = _tiny()
     ids = torch.full((1, 6), 3)  # batch_size=1 with accum_steps=4
     if fixed:
-        err = _error_text(lambda: micro_batches(1, 4))
+        err = _error_text(lambda: micro_batch_slices(1, 4))
         return Outcome(False, f"refused before any forward pass: {err}")
     rows = ids.shape[0] // 4  # report 004: rows per chunk = batch // accum_steps = 0
     chunk = ids[:rows]
@@ -161,9 +161,8 @@ def empty_micro_batch(fixed: bool) -> Outcome:
     return Outcome(err is not None, f"micro-batch of {chunk.shape[0]} rows -> {err}")
 
 
-# --- DESIGN: all-equal rewards in a group ----------------------------------------------
+# --- the course: all-equal rewards in a group ------------------------------------------
 def zero_std_group(fixed: bool) -> Outcome:
-    from .objective import group_advantages
 
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # second group all right
     adv = group_advantages(rewards, 4, advantage_eps=1e-4 if fixed else 0.0)
@@ -173,7 +172,6 @@ def zero_std_group(fixed: bool) -> Outcome:
 
 # --- 003: the KL "fix" --------------------------------------------------------------------
 def kl_wrong_fix(fixed: bool) -> Outcome:
-    from .objective import exact_kl, kl_k3
 
     g = torch.Generator().manual_seed(0)
     logits_p, logits_q = torch.randn(50, generator=g), torch.randn(50, generator=g)
@@ -192,7 +190,6 @@ def kl_wrong_fix(fixed: bool) -> Outcome:
 
 # --- 003: sampling flags that generate() ignores ------------------------------------------
 def temperature_ignored(fixed: bool) -> Outcome:
-    from .sampling import encode_prompts, generation_config, transformers_messages
 
     model, tok = _tiny()
     ids, mask = encode_prompts(tok, ["1+2="], torch.device("cpu"))
@@ -210,7 +207,6 @@ def temperature_ignored(fixed: bool) -> Outcome:
 
 # --- 000: temperature 0 / non-finite logits into the sampler -----------------------------
 def temperature_zero(fixed: bool) -> Outcome:
-    from .config import GRPOConfig
 
     if fixed:
         err = _error_text(lambda: GRPOConfig(temperature=0.0))
@@ -288,8 +284,6 @@ def static_check(fixed: bool) -> Outcome:
 
 # --- 000/001: the whole naive configuration ----------------------------------------------
 def naive_run(fixed: bool) -> Outcome:
-    from .config import preset
-    from .trainer import Trainer
 
     name = "stable" if fixed else "naive"
     trainer = Trainer(preset(name, steps=40, eval_every=0, eval_size=16))
@@ -309,8 +303,6 @@ def naive_run(fixed: bool) -> Outcome:
 
 # --- 000/001: no health monitoring ---------------------------------------------------------
 def no_health_monitoring(fixed: bool) -> Outcome:
-    from .config import preset
-    from .trainer import Trainer
 
     trainer = Trainer(preset("naive", steps=30, eval_every=0, eval_size=16, health_check=fixed))
     err = None
@@ -329,12 +321,11 @@ def no_health_monitoring(fixed: bool) -> Outcome:
 
 # --- 001: exp() of a summed log-ratio ---------------------------------------------------
 def log_ratio_overflow(fixed: bool) -> Outcome:
-    from . import bugs
 
     logp = torch.tensor([[-0.1, -0.2, -0.1, -0.3]], requires_grad=True)
     ref_logp = torch.tensor([[-25.0, -30.0, -22.0, -28.0]])  # tokens the reference found unlikely
-    seq_logp, seq_base = bugs.sequence_log_ratio_inputs(logp, ref_logp, torch.ones_like(logp))
-    loss, _ = bugs.constant_clip_surrogate(seq_logp, seq_base, torch.tensor([-1.0]),
+    seq_logp, seq_base = naive.sequence_log_ratio_inputs(logp, ref_logp, torch.ones_like(logp))
+    loss, _ = naive.constant_clip_surrogate(seq_logp, seq_base, torch.tensor([-1.0]),
                                            log_ratio_clamp=10.0 if fixed else None)
     loss.sum().backward()
     summed = float((seq_logp - seq_base)[0, 0].detach())
@@ -348,8 +339,6 @@ def log_ratio_overflow(fixed: bool) -> Outcome:
 
 # --- 004: a crash mid-training loses work ----------------------------------------------
 def crash_resume(fixed: bool) -> Outcome:
-    from .config import preset
-    from .trainer import Trainer, read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = preset("stable", steps=4, checkpoint_every=2 if fixed else 0, eval_size=8)
@@ -374,7 +363,6 @@ def crash_resume(fixed: bool) -> Outcome:
 
 # --- 003/004: memory pressure -------------------------------------------------------------
 def memory_pressure(fixed: bool) -> Outcome:
-    from . import memory
 
     broken, fix = memory.oom_configs(device="cpu")
     cfg = fix if fixed else broken
@@ -429,8 +417,8 @@ def launch_without_launcher(fixed: bool) -> Outcome:
 CATALOG: dict[str, Scenario] = {s.name: s for s in [
     Scenario("naive-run", "000/001",
              "grad norm spikes by orders of magnitude, parameters go NaN, sampling crashes",
-             "ratio against the reference, `clip_ratio * advantage`, no log-ratio clamp, "
-             "lr too high", "the stable preset: ratio vs the sampling policy, real clipping, "
+             "ratio against the reference and report 001's `clip_ratio * advantage` (read as "
+             "a constant), no log-ratio clamp, lr too high", "the stable preset: ratio vs the sampling policy, real clipping, "
              "clamps, grad clipping, health checks", naive_run),
     Scenario("nan-params-sampling-crash", "000",
              "torch.multinomial: probability tensor contains either inf, nan or element < 0",
@@ -439,7 +427,9 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
     Scenario("pad-token-vocab-mismatch", "002", "IndexError: index out of range in self",
              "a pad token added to the tokenizer has no embedding row",
              "reuse EOS as pad, or resize the embeddings", pad_token_vocab_mismatch),
-    Scenario("accum-step-inside-loop", "003", "KL = 0.000, the model barely moves",
+    Scenario("accum-step-inside-loop", "003",
+             "each update uses the last micro-batch's gradient only (the report logged "
+             "KL = 0.000; notebook 08 measures that with AdamW the model still moves)",
              "zero_grad/step inside the micro-batch loop: each update sees one micro-batch",
              "zero_grad before the loop, one step after it", _accumulation_scenario("step-inside")),
     Scenario("accum-copy-instead-of-add", "003", "accumulated gradient = the last micro-batch's",
@@ -463,7 +453,8 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
              "temperature/top_p given while sampling is off (or through a logits processor)",
              "pass do_sample=True with temperature/top_k/top_p to generate()",
              temperature_ignored),
-    Scenario("temperature-zero", "000", "multinomial crash on NaN probabilities",
+    Scenario("temperature-zero", "000", "multinomial crash on NaN probabilities (the course's "
+             "extension: report 000 lowered the temperature, with a floor of 0.3)",
              "logits / 0 is inf or NaN", "temperature > 0 is validated; use greedy for T = 0",
              temperature_zero),
     Scenario("amp-skip-no-inf-checks", "004",
@@ -484,17 +475,20 @@ CATALOG: dict[str, Scenario] = {s.name: s for s in [
              "log-ratios summed over a sequence against the reference, no clamp",
              "token-level ratios against the sampling policy; clamp the log-ratio as a net",
              log_ratio_overflow),
-    Scenario("crash-resume", "004", "a crash mid-training loses every step since the start",
-             "no checkpoints", "atomic checkpoints and --resume", crash_resume),
+    Scenario("crash-resume", "004", "a crash mid-training loses every step since the last "
+             "checkpoint (report 004's driver crashes; its stack did resume from checkpoints)",
+             "no checkpoint, or one written non-atomically", "atomic checkpoints and --resume",
+             crash_resume),
     Scenario("memory-pressure", "003/004",
              "out of memory mid-step (CUDA out of memory; on CPU DefaultCPUAllocator: "
              "can't allocate memory)",
              "the whole batch's activations held at once for one backward",
              "the same batch in micro-batches (grad_accum_steps; the gradient is the same), "
-             "and/or gradient_checkpointing; `python -m grpo_lab.memory` measures each",
+             "and/or gradient_checkpointing; `python -m grpo_lab.tools.memory` measures each",
              memory_pressure),
     Scenario("launch-without-launcher", "002",
-             "a multi-process run hangs at start-up (the report: hangs and device-side asserts)",
+             "a multi-process run hangs at start-up (the course's example; the report shows "
+             "device-side asserts from runs started with plain python)",
              "started with plain python where a launcher was meant: the ranks it expects "
              "never start",
              "start it with the launcher (torchrun / accelerate launch); on a multi-GPU "
@@ -511,7 +505,7 @@ def run_scenario(name: str, fixed: bool = False) -> Outcome:
 
 _DEVICE_CHILD = """
 import json, sys, torch
-from grpo_lab.scenarios import _describe, _device, _error_text, run_scenario
+from grpo_lab.field.scenarios import _describe, _device, _error_text, run_scenario
 try:
     outcome = run_scenario(sys.argv[1], fixed=sys.argv[2] == "fixed")
     symptom, evidence = outcome.symptom, outcome.evidence

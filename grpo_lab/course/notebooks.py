@@ -1,0 +1,72 @@
+"""Execute course notebooks and store their outputs: `python -m grpo_lab notebooks`.
+
+Outputs policy: notebooks in solutions/ are committed *with* the outputs of one clean run
+(so a reader on the web sees the plots and numbers), refreshed only by this command;
+nbval re-executes them in CI without writing back, so test runs never churn the
+repository. labs/ notebooks are committed without outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .labs import find_root
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def final_progress_text(output: dict, state: dict) -> None:
+    """A tqdm bar is a widget; its stored text/plain is the text at creation ("0%| | 0/150"),
+    which is what a reader sees where widgets do not render (a code host, the website).
+    Replace it with the bar's final text, rebuilt from the widget's final state."""
+    view = output.get("data", {}).get(WIDGET_VIEW)
+    box = state.get(view["model_id"], {}).get("state", {}) if view else {}
+    children = [state.get(c.removeprefix("IPY_MODEL_"), {}).get("state", {})
+                for c in box.get("children", [])]
+    if len(children) != 3 or "max" not in children[1]:  # not a tqdm bar: HTML, progress, HTML
+        return
+    left, bar, right = children
+    done = bar.get("value", 0) / bar["max"] if bar["max"] else 1.0
+    filled = round(10 * min(max(done, 0.0), 1.0))
+    output["data"]["text/plain"] = (
+        f"{_text(left.get('value', ''))}|{'█' * filled}{' ' * (10 - filled)}|"
+        f" {_text(right.get('value', '')).strip()}"
+    )
+
+
+def _text(html: str) -> str:
+    return html.replace("&nbsp;", " ").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+
+
+def execute(path: Path, timeout: int = 300) -> float:
+    """Run every cell of `path` in a fresh kernel (cwd: the notebook's folder), save the
+    outputs in place with volatile metadata removed; returns the wall time in seconds."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    t0 = time.time()
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    seconds = time.time() - t0
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        for output in cell.get("outputs", []):
+            final_progress_text(output, state)
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, path)
+    return seconds
+
+
+def main(paths: list[str]) -> int:
+    targets = [Path(p) for p in paths] or sorted((find_root() / "solutions").glob("*.ipynb"))
+    total = 0.0
+    for path in targets:
+        seconds = execute(path)
+        total += seconds
+        print(f"{path}: {seconds:.0f} s")
+    print(f"{len(targets)} notebooks, {total:.0f} s")
+    return 0

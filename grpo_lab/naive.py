@@ -1,0 +1,50 @@
+"""What the naive preset switches on: the field reports' versions of the ratio and the
+clipped term, each selected by a config field (`clip_term='constant'`,
+`ratio_level='sequence'`; `ratio_against='reference'` needs no code of its own).
+
+The correct versions are in objective.py; these have the same signatures so the trainer
+swaps one for the other at one place (`Trainer.surrogate`, `Trainer.ratio_inputs`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .objective import ratio_from_logprobs
+
+
+def constant_clip_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    log_ratio_clamp: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Report 001's line 57: `-torch.min(ratio * advantage, clip_ratio * advantage)`, read
+    as the course reads it: `clip_ratio` is never defined in the report (its config key is
+    `clip_range`), and the course takes it to be the constant clip range.
+
+    `clip_ratio` is the constant clip range, not the clipped ratio. For A > 0 the min is
+    eps * A (a constant, no gradient) as soon as r > eps; for A < 0 it is r * A, so the
+    gradient grows with the ratio without bound: nothing is clipped where it matters.
+    Same signature and return as `objective.clipped_surrogate`.
+    """
+    ratio = ratio_from_logprobs(logp, old_logp, log_ratio_clamp)
+    adv = advantages.unsqueeze(-1)  # (B, 1)
+    per_token_loss = -torch.min(ratio * adv, epsilon_low * adv)
+    region_clipped = (ratio > epsilon_low) & (adv > 0)
+    return per_token_loss, region_clipped
+
+
+def sequence_log_ratio_inputs(
+    logp: torch.Tensor, old_logp: torch.Tensor, completion_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Report 001: the log-ratio summed over a completion, broadcast back to its tokens.
+
+    Returns (logp', baseline') with logp' - baseline' = sum_t (logp - baseline) on every
+    token of the row, so a surrogate computes exp(sum of log-ratios): after some drift
+    that sum reaches tens, and exp() overflows float32 near 88.7."""
+    m = completion_mask.to(logp.dtype)
+    summed = ((logp - old_logp) * m).sum(-1, keepdim=True)  # (B, 1)
+    return summed.expand_as(logp), torch.zeros_like(old_logp)

@@ -1,0 +1,87 @@
+"""The speed-ups of fast.py, each against the plain path it replaces."""
+
+import copy
+
+import pytest
+import torch
+from transformers.activations import NewGELUActivation
+
+from grpo_lab.fast import fuse_gelu, fused_adamw, keep_fused, shared_prompt_logits
+from grpo_lab.objective import completion_logits
+from grpo_lab.sampling import sample_group
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(1, 10)], ids=["groups", "split-groups"])
+def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
+    """shared_prompt_logits runs each distinct prompt once: the same logits and gradients
+    as the plain completion_logits, also for a micro-batch that cuts through groups."""
+    model, tok = tiny
+    r = sample_group(model, tok, ["1+2=", "12+34=", "5+67="], 4, 5)  # left-padded groups
+    ids, attn, C = r.input_ids[rows], r.attention_mask[rows], r.completion_length
+    m = r.completion_mask[rows].bool()
+    weights = torch.randn(m.shape) * m
+
+    batch_sizes = []  # rows of each transformer call: the shared path runs the prompts alone
+
+    def count_rows(module, args, kwargs):
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        batch_sizes.append(len(ids))
+
+    hook = model.transformer.register_forward_pre_hook(count_rows, with_kwargs=True)
+
+    def logits_and_grad(share: bool):
+        model.zero_grad(set_to_none=True)
+        batch_sizes.clear()
+        forward = shared_prompt_logits if share else completion_logits
+        logits = forward(model, ids, attn, C, 0.7)
+        calls[share] = list(batch_sizes)
+        (logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1) * weights).sum().backward()
+        return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    calls = {}
+    (full, g_full), (shared, g_shared) = logits_and_grad(False), logits_and_grad(True)
+    hook.remove()
+    distinct = len(set(r.prompt_index[rows].tolist()))
+    assert calls[False] == [len(ids)] and calls[True] == [distinct, len(ids)], calls
+    assert ((full - shared).abs() * m[..., None]).max() < 1e-5
+    assert (g_full - g_shared).norm() / g_full.norm() < 1e-5
+
+
+def test_fused_gelu_is_the_same_function(tiny):
+    """fuse_gelu swaps GPT-2's five-op gelu_new for torch's one-kernel tanh GELU: every
+    activation module replaced, the logits the same to float32 rounding."""
+    model, tok = tiny
+    ids = tok(["12+34=5", "1+2=3"], return_tensors="pt", padding=True).input_ids
+    fused = fuse_gelu(copy.deepcopy(model))
+    assert not any(isinstance(m, NewGELUActivation) for m in fused.modules())
+    assert any(isinstance(m, NewGELUActivation) for m in model.modules())
+    with torch.no_grad():
+        diff = (fused(ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-4, diff
+
+
+def test_fused_adamw_takes_the_plain_adamw_step(tiny):
+    """Three steps of the fused kernel and of torch's per-tensor AdamW on the same
+    gradients end at the same weights, and keep_fused keeps a loaded optimizer fused."""
+    model, _ = tiny
+    plain_model = copy.deepcopy(model)
+    fused = fused_adamw(model.parameters(), torch.device("cpu"), lr=1e-3, weight_decay=0.1)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3, weight_decay=0.1,
+                              foreach=False)
+    assert fused.defaults["fused"]
+    for step in range(3):
+        torch.manual_seed(step)
+        for p, q in zip(model.parameters(), plain_model.parameters(), strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        fused.step()
+        plain.step()
+    diff = max((p - q).abs().max().item()
+               for p, q in zip(model.parameters(), plain_model.parameters(), strict=True))
+    assert diff < 1e-6, diff
+    state = plain.state_dict()  # an unfused optimizer's checkpoint, loaded into a fused one
+    fused.load_state_dict(state)
+    assert fused.param_groups[0]["fused"] is None
+    keep_fused(fused)
+    assert fused.param_groups[0]["fused"] is True
+    fused.step()  # the fused kernel accepts the loaded step counters

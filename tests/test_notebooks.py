@@ -1,0 +1,33 @@
+"""Stored notebook outputs read right where people read them without running them."""
+
+import glob
+
+import nbformat
+
+from grpo_lab.course.notebooks import WIDGET_VIEW, final_progress_text
+
+
+def test_a_progress_bar_is_stored_with_its_final_text():
+    state = {
+        "box": {"state": {"children": ["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_r"]}},
+        "l": {"state": {"value": "GRPO: 100%"}},
+        "p": {"state": {"value": 150, "max": 150}},
+        "r": {"state": {"value": " 150/150 [00:20&lt;00:00,  7.9step/s]"}},
+    }
+    output = {"data": {WIDGET_VIEW: {"model_id": "box"}, "text/plain": "GRPO:   0%| | 0/150"}}
+    final_progress_text(output, state)
+    assert output["data"]["text/plain"] == "GRPO: 100%|██████████| 150/150 [00:20<00:00,  7.9step/s]"
+    other = {"data": {WIDGET_VIEW: {"model_id": "x"}, "text/plain": "Button()"}}
+    final_progress_text(other, {"x": {"state": {"children": []}}})
+    assert other["data"]["text/plain"] == "Button()"  # not a progress bar: left alone
+
+
+def test_no_stored_progress_bar_shows_its_starting_text():
+    stale = []
+    for path in sorted(glob.glob("solutions/*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            for output in cell.get("outputs", []):
+                text = output.get("data", {}).get("text/plain", "")
+                if WIDGET_VIEW in output.get("data", {}) and " 0%|" in text:
+                    stale.append(f"{path} cell {i}: {text}")
+    assert not stale, "\n".join(stale)
