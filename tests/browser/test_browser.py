@@ -14,15 +14,11 @@ import re
 from pathlib import Path
 
 import pytest
+from chromium import require_chromium
 from course_lab import ROOT, LabServer, fresh_checkout
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 ARTIFACTS = Path(os.environ.get("BROWSER_ARTIFACTS", ROOT / "tests" / "artifacts" / "browser"))
 RUN_TIMEOUT_MS = 900_000  # notebook 04 trains for a while; the machine may be loaded
 
@@ -55,8 +51,7 @@ RUN_FINISHED = """() => window.__ranSomething
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium (or set CHROMIUM)")
+    require_chromium()
     tmp = tmp_path_factory.mktemp("browser")
     checkout = fresh_checkout(tmp / "grpo-lab")
     home = tmp / "home"
@@ -69,16 +64,6 @@ def lab(tmp_path_factory):
         yield server
         server.stop()
         assert server.leftovers() == []
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 def run_all_and_look(page, lab: LabServer, notebook: str, shots: str) -> dict:
