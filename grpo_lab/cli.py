@@ -101,13 +101,31 @@ def build_parser() -> Parser:
     grade = sub.add_parser("grade", help="grade submitted notebooks with the exercise checkers")
     grade.add_argument("notebooks", nargs="+", help="submitted .ipynb files")
     grade.add_argument("--json", default=None, help="write the records as JSON here")
-    grade.add_argument("--csv", default=None, help="write the records as CSV here")
-    grade.add_argument("--cell-timeout", type=int, default=300,
-                       help="seconds a cell may run before the submission counts as hung")
+    grade.add_argument("--csv", default=None,
+                       help="write the gradebook here: one row per student, one column per "
+                            "exercise, total and max")
+    grade.add_argument("--feedback", default=None, metavar="DIR",
+                       help="write one Markdown feedback file per student into DIR")
+    grade.add_argument("--journal", default=None, metavar="FILE",
+                       help="append-only record of finished submissions (default: next to "
+                            "--json, else grades.journal.jsonl); a restarted grader skips "
+                            "what it holds")
+    grade.add_argument("--cell-timeout", type=int, default=60,
+                       help="seconds one step of a submission (running its exercise cell, "
+                            "one call of its function) may take before it counts as hung")
+    grade.add_argument("--submission-timeout", type=int, default=600,
+                       help="seconds all the steps of one submission may take together")
+    grade.add_argument("--memory-mb", type=int, default=4096,
+                       help="address-space limit of the process running a submission")
     labs = sub.add_parser("labs", help="generate labs/ from solutions/ (student versions)")
     labs.add_argument("--check", action="store_true", help="exit 1 when labs/ is out of sync")
     labs.add_argument("--root", default=None,
                       help="the course repository (default: found from the current directory)")
+    labs.add_argument("--nbgrader", default=None, metavar="DIR",
+                      help="write an nbgrader source folder (DIR/source/<assignment>/) from "
+                           "solutions/ instead")
+    labs.add_argument("--assignment", default="grpo_lab",
+                      help="the nbgrader assignment name (with --nbgrader)")
     nbs = sub.add_parser("notebooks", help="execute solutions/ notebooks and store outputs")
     nbs.add_argument("paths", nargs="*", help="notebooks (default: solutions/*.ipynb)")
 
@@ -323,16 +341,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "scenario":
             return cmd_scenario(args)
         if args.command == "grade":
-            if args.cell_timeout < 1:
-                raise UsageError(f"--cell-timeout must be >= 1 second (got {args.cell_timeout})")
+            for flag, value, least in (("--cell-timeout", args.cell_timeout, 1),
+                                       ("--submission-timeout", args.submission_timeout, 1),
+                                       ("--memory-mb", args.memory_mb, 512)):
+                if value < least:
+                    raise UsageError(f"{flag} must be >= {least} (got {value})")
             from .course.grade import main as grade
 
-            return grade(args.notebooks, args.json, args.csv, args.cell_timeout)
+            return grade(args.notebooks, args.json, args.csv, args.cell_timeout,
+                         journal=args.journal, feedback=args.feedback,
+                         submission_timeout=args.submission_timeout, memory_mb=args.memory_mb)
         if args.command == "labs":
             from .course.labs import main as labs
 
             try:
-                return labs(check=args.check, root=args.root)
+                return labs(check=args.check, root=args.root, nbgrader=args.nbgrader,
+                            assignment=args.assignment)
             except FileNotFoundError as e:
                 raise UsageError(str(e)) from None
         if args.command == "notebooks":

@@ -1,7 +1,14 @@
-"""Grading: per-exercise points from the checkers; crashes, hangs and unreadable files
-keep what passed and say why; one bad submission does not stop the others."""
+"""Grading: per-exercise points from the checkers, run here against the student's function
+in a sandboxed worker; crashes, hangs and unreadable files keep what passed and say why;
+one bad submission does not stop the others; a renamed file is graded by its content; the
+gradebook, feedback and a grader killed mid-run and restarted."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import nbformat
 import pytest
@@ -9,6 +16,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from grpo_lab.course import grade, labs
 
+SETUP = "import torch"
 GOOD = '''def group_advantages(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
     g = rewards.view(-1, group_size)
     c = g - g.mean(1, keepdim=True)
@@ -17,14 +25,17 @@ NO_EPS = GOOD.replace(" + advantage_eps", "")
 STUB = '''def group_advantages(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
     raise NotImplementedError("write this")'''
 GOOD_KL = "def kl_k3(logp, ref_logp):\n    r = ref_logp - logp\n    return r.exp() - r - 1"
-CHECK_ADV = "from grpo_lab.course.checks import check_group_advantages\nr1 = check_group_advantages(group_advantages)"
+CHECK_ADV = "from grpo_lab.course.checks import check_group_advantages\n" \
+    "r1 = check_group_advantages(group_advantages)"
 CHECK_KL = "from grpo_lab.course.checks import check_kl_k3\nr2 = check_kl_k3(kl_k3)"
+FAST = dict(cell_timeout=20, submission_timeout=120, memory_mb=3072)
 
 
 def notebook(path, *sources):
     nb = new_notebook(cells=[new_code_cell(s) for s in sources])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
     return path
 
@@ -41,67 +52,146 @@ def use_manifest(monkeypatch, tmp_path, *solutions):
 def solutions(tmp_path, monkeypatch):
     """A 'solution' notebook named sub.ipynb with two exercises."""
     folder = tmp_path / "solutions"
-    folder.mkdir()
-    use_manifest(monkeypatch, tmp_path,
-                 notebook(folder / "sub.ipynb", GOOD, CHECK_ADV, GOOD_KL, CHECK_KL))
+    use_manifest(monkeypatch, tmp_path, notebook(folder / "sub.ipynb", SETUP, GOOD, CHECK_ADV,
+                                                 GOOD_KL, CHECK_KL))
     return folder
 
 
-def _by_exercise(records):
-    return {r.exercise: r for r in records}
-
-
-def test_full_marks_partial_and_not_implemented(tmp_path, solutions):
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
-    full = notebook(tmp_path / "a" / "sub.ipynb", GOOD, CHECK_ADV, GOOD_KL, CHECK_KL)
-    buggy = notebook(tmp_path / "b" / "sub.ipynb", NO_EPS, CHECK_ADV, GOOD_KL, CHECK_KL)
-    stub = notebook(tmp_path / "c" / "sub.ipynb", STUB, CHECK_ADV, "import torch", CHECK_KL)
+def run(tmp_path, paths, **kw):
     out = tmp_path / "grades.json"
-    grade.main([str(full), str(buggy), str(stub)], str(out), str(tmp_path / "g.csv"), 120)
-    rows = json.loads(out.read_text())
+    code = grade.main([str(p) for p in paths], str(out), kw.pop("csv", None),
+                      journal=str(tmp_path / "journal.jsonl"), **{**FAST, **kw})
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_full_marks_partial_not_implemented_and_missing(tmp_path, solutions):
+    full = notebook(tmp_path / "a" / "sub.ipynb", SETUP, GOOD, CHECK_ADV, GOOD_KL, CHECK_KL)
+    buggy = notebook(tmp_path / "b" / "sub.ipynb", SETUP, NO_EPS, CHECK_ADV, GOOD_KL, CHECK_KL)
+    stub = notebook(tmp_path / "c" / "sub.ipynb", SETUP, STUB, CHECK_ADV, "x = 1", CHECK_KL)
+    rows = run(tmp_path, [full, buggy, stub], csv=str(tmp_path / "g.csv"),
+               feedback=str(tmp_path / "fb"))
     assert {tuple(sorted(r)) for r in rows} == {
-        ("exercise", "max_points", "notebook", "points", "reason", "status")}
+        ("exercise", "max_points", "notebook", "points", "reason", "status", "student")}
     a, b, c = rows[0:2], rows[2:4], rows[4:6]
-    assert [r["points"] for r in a] == [1, 1]
+    assert [r["points"] for r in a] == [1, 1] and {r["student"] for r in a} == {"a"}
     assert [r["points"] for r in b] == [0, 1] and "NaN" in b[0]["reason"]
     assert c[0]["status"] == "not implemented" and "not implemented yet" in c[0]["reason"]
-    assert c[1]["status"] == "not run" and "NameError" in c[1]["reason"]
-    assert (tmp_path / "g.csv").read_text().count("\n") == 7
+    assert c[1]["status"] == "missing" and "no cell defines kl_k3()" in c[1]["reason"]
+    # the gradebook: one row per student, one column per exercise, total and max
+    assert (tmp_path / "g.csv").read_text().splitlines() == [
+        "student,group_advantages,kl_k3,total,max", "a,1,1,2,2", "b,0,1,1,2", "c,0,0,0,2"]
+    feedback = (tmp_path / "fb" / "b.md").read_text()
+    assert "Total: **1/2**" in feedback and "NaN" in feedback and "## kl_k3: 1/1" in feedback
+
+
+def test_check_cells_are_ignored_only_the_exercise_cell_counts(tmp_path, solutions):
+    """Deleting, editing or faking the check cell changes nothing; a stub stays 0."""
+    faked = notebook(tmp_path / "f" / "sub.ipynb", SETUP, STUB,
+                     "print('✅ check_group_advantages: passed 6 cases')", GOOD_KL)
+    rows = run(tmp_path, [faked])
+    assert [(r["exercise"], r["points"], r["status"]) for r in rows] == [
+        ("group_advantages", 0, "not implemented"), ("kl_k3", 1, "passed")]
 
 
 def test_a_hang_keeps_what_passed(tmp_path, solutions):
-    # the limit is far above a normal cell's time: the checker cell's first import of
-    # torch and transformers took over 4 s (the old limit) on a loaded machine in CI
-    hang = notebook(tmp_path / "sub.ipynb", GOOD, CHECK_ADV, "import time\ntime.sleep(600)",
-                    GOOD_KL, CHECK_KL)
-    records = _by_exercise(grade.grade_notebook(hang, cell_timeout=30))
-    assert records["group_advantages"].points == 1
-    assert records["kl_k3"].status == "not run"
-    assert "longer than the 30 s limit" in records["kl_k3"].reason
+    hang = notebook(tmp_path / "h" / "sub.ipynb", SETUP, GOOD,
+                    "def kl_k3(logp, ref_logp):\n    while True:\n        pass")
+    rows = run(tmp_path, [hang], cell_timeout=5)
+    assert [r["points"] for r in rows] == [1, 0]
+    assert "did not finish within its 5 s limit" in rows[1]["reason"]
 
 
 def test_an_unreadable_submission_does_not_stop_the_others(tmp_path, solutions, capsys):
     broken = tmp_path / "x" / "sub.ipynb"
     broken.parent.mkdir()
     broken.write_text("{not json")
-    (tmp_path / "y").mkdir()
-    fine = notebook(tmp_path / "y" / "sub.ipynb", GOOD, CHECK_ADV, GOOD_KL, CHECK_KL)
-    out = tmp_path / "grades.json"
-    grade.main([str(broken), str(fine)], str(out), None, 120)
-    rows = json.loads(out.read_text())
+    fine = notebook(tmp_path / "y" / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+    rows = run(tmp_path, [broken, fine])
     assert [r["points"] for r in rows] == [0, 0, 1, 1]
-    assert "could not run" in rows[0]["reason"]
-    assert f"total {fine}: 2/2" in capsys.readouterr().out
+    assert rows[0]["status"] == "not graded" and "could not read" in rows[0]["reason"]
+    assert "total y: 2/2" in capsys.readouterr().out
 
 
 def test_only_exercise_checkers_count(tmp_path, monkeypatch):
     use_manifest(monkeypatch, tmp_path, notebook(
-        tmp_path / "s.ipynb", GOOD, CHECK_ADV,
+        tmp_path / "s.ipynb", SETUP, GOOD, CHECK_ADV,
         "from grpo_lab.sampling import check_token_ids\ncheck_token_ids(ids, 15)"))
     assert labs.expected_exercises("s.ipynb") == ["group_advantages"]
 
 
-def test_a_file_that_is_no_course_notebook_is_refused_clearly(tmp_path):
-    records = grade.grade_notebook(notebook(tmp_path / "renamed.ipynb", GOOD, CHECK_ADV))
-    assert [(r.points, r.max_points, r.status) for r in records] == [(0, 0, "not run")]
-    assert "not a course notebook" in records[0].reason
+def test_a_renamed_file_is_graded_by_its_content(tmp_path, solutions):
+    renamed = notebook(tmp_path / "r" / "my_homework (1).ipynb", SETUP, GOOD, GOOD_KL)
+    rows = run(tmp_path, [renamed])
+    assert [r["points"] for r in rows] == [1, 1]
+    assert "graded as sub.ipynb by its content" in rows[0]["reason"]
+
+
+def test_a_file_that_is_no_course_notebook_is_refused_clearly(tmp_path, solutions):
+    other = notebook(tmp_path / "o" / "notes.ipynb", "def something_else():\n    return 1")
+    rows = run(tmp_path, [other])
+    assert [(r["points"], r["max_points"], r["status"]) for r in rows] == [(0, 0, "not graded")]
+    assert "matches no course notebook" in rows[0]["reason"]
+
+
+def test_the_reasons_table_wraps_instead_of_cutting(capsys):
+    reason = "word " * 60 + "THE-END"
+    grade.print_table([grade.Record("n", "s", "kl_k3", 0, 1, "failed", reason)], width=80)
+    out = capsys.readouterr().out
+    assert "THE-END" in out and max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_a_restarted_grader_skips_what_its_journal_holds(tmp_path, solutions, capsys):
+    sub = notebook(tmp_path / "a" / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+    first = run(tmp_path, [sub])
+    capsys.readouterr()
+    assert run(tmp_path, [sub]) == first
+    assert "1 submissions already graded, skipped" in capsys.readouterr().out
+
+
+def test_a_corrupt_journal_is_refused_with_its_line(tmp_path, solutions, capsys):
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text('{"v": 1, "kind": "done"}\n{"v": 1}\n')
+    sub = notebook(tmp_path / "a" / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+    assert grade.main([str(sub)], None, None, journal=str(journal), **FAST) == 2
+    assert "line 1 is corrupt" in capsys.readouterr().err
+
+
+def test_a_grader_killed_mid_run_and_restarted_writes_byte_identical_results(tmp_path):
+    """SIGKILL after the first graded submission; the restart finishes from the journal, and
+    its JSON and CSV equal those of a run that was never interrupted, byte for byte."""
+    subs = [notebook(tmp_path / "subs" / name / "02_rewards_and_advantages.ipynb", SETUP, adv)
+            for name, adv in [("s1", GOOD), ("s2", NO_EPS), ("s3", STUB), ("s4", GOOD)]]
+
+    def command(out):
+        return [sys.executable, "-m", "grpo_lab", "grade", *map(str, subs), "--json",
+                str(out / "g.json"), "--csv", str(out / "g.csv"), "--cell-timeout", "30"]
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    whole.mkdir(), killed.mkdir()
+    p = subprocess.run(command(whole), capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+    proc = subprocess.Popen(command(killed), stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("graded "):
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, lines
+    assert not (killed / "g.json").exists()
+    journal = (killed / "g.journal.jsonl").read_text()
+    assert journal.count('"kind": "done"') >= 1
+
+    time.sleep(0.5)
+    p = subprocess.run(command(killed), capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "already graded, skipped" in p.stdout
+    assert (killed / "g.json").read_bytes() == (whole / "g.json").read_bytes()
+    assert (killed / "g.csv").read_bytes() == (whole / "g.csv").read_bytes()
+    assert (whole / "g.csv").read_text().splitlines() == [
+        "student,group_advantages,total,max", "s1,1,1,1", "s2,0,0,1", "s3,0,0,1", "s4,1,1,1"]

@@ -44,3 +44,21 @@ def test_labs_are_in_sync_with_solutions():
     p = subprocess.run([sys.executable, "-m", "grpo_lab", "labs", "--check"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_manifest_describes_each_exercise_for_the_grader():
+    from grpo_lab.course import labs
+
+    ex = {e["function"]: e for nb in labs.load_manifest()["notebooks"].values()
+          for e in nb["exercises"]}
+    k3 = ex["kl_k3"]
+    assert (k3["checker"], k3["reference"], k3["points"]) == (
+        "check_kl_k3", "grpo_lab.objective.kl_k3", 1)
+    assert k3["tripwires"] == [["grpo_lab/objective.py", "kl_k3"]]
+    assert {"kl_k3", "check_kl_k3"} <= set(k3["forbidden"])
+    assert "import torch" in [s["source"] for s in k3["setup"]]
+    assert not any(n.endswith(".kl_k3") for n in k3["may_use"])
+    assert k3["cell_id"] and k3["check_cell_id"] and k3["hint"]
+    assert labs.expected_exercises("03_the_grpo_objective.ipynb") == [
+        "kl_k3", "clipped_surrogate", "token_weights"]
+    assert labs.expected_exercises("nope.ipynb") is None

@@ -45,7 +45,8 @@ def test_wheel_install_grades_and_checks_labs_from_another_directory(tmp_path):
     assert p.stdout.strip().startswith(str(venv)), p.stdout + p.stderr
 
     # a submission of notebook 02 whose check cell was deleted: the grader still knows the
-    # exercise it must have, and scores it 0 with the reason (it once reported 0/0)
+    # exercise it must have, runs its checker against the function in a sandboxed worker
+    # (which imports grpo_lab from the installed wheel) and scores it 0 with the reason
     nb = new_notebook(cells=[new_code_cell("def group_advantages(r, g):\n    return r")])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
@@ -54,9 +55,9 @@ def test_wheel_install_grades_and_checks_labs_from_another_directory(tmp_path):
              "--json", "g.json", "--cell-timeout", "120"], elsewhere)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads((elsewhere / "g.json").read_text())
-    assert [(r["exercise"], r["points"], r["max_points"]) for r in rows] == [
-        ("group_advantages", 0, 1)], rows
-    assert "never ran" in rows[0]["reason"]
+    assert [(r["exercise"], r["points"], r["max_points"], r["status"]) for r in rows] == [
+        ("group_advantages", 0, 1, "failed")], rows
+    assert "subtract each group's own mean" in rows[0]["reason"], rows
 
     p = run([str(py), "-m", "grpo_lab", "labs", "--check", "--root", str(REPO)], elsewhere)
     assert p.returncode == 0 and "labs in sync" in p.stdout, p.stdout + p.stderr

@@ -12,9 +12,8 @@ An exercise still raising NotImplementedError reports "not implemented yet".
 from __future__ import annotations
 
 import contextlib
-import json
+import inspect
 import math
-import os
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -29,16 +28,6 @@ from ..models import count_parameters
 from ..sampling import SamplingError, SanitizeLogits, completion_mask_from_ids
 from ..tasks import addition_reward
 from ..trainer import SPIKE_MIN_HISTORY, micro_batch_slices
-
-LOG_ENV = "GRPO_LAB_GRADING_LOG"  # set by the grader: where checkers record verdicts
-
-
-def record_check(exercise: str, status: str, reason: str) -> None:
-    """Called by every checker; a no-op unless a grader set $GRPO_LAB_GRADING_LOG."""
-    path = os.environ.get(LOG_ENV)
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"exercise": exercise, "status": status, "reason": reason}) + "\n")
 
 
 @dataclass
@@ -77,36 +66,127 @@ def _shape(x) -> str:
 
 def run_check(name: str, yours: Callable, reference: Callable,
               cases: list[tuple[str, Callable[[Callable], None]]]) -> CheckResult:
-    """Run each (description, test) case; the first failing one gives the reason."""
+    """Run each (description, test) case; the first failing one gives the reason. Every call
+    of `yours` is watched: changing an input tensor in place fails the case."""
     label = f"check_{name}"
     status, reason = "passed", ""
+    guarded = _no_mutation(yours, reference)
     for description, case in cases:
         try:
-            case(yours)
+            case(guarded)
         except NotImplementedError:
             status, reason = "not implemented", "not implemented yet: the notebook carries on " \
                 "with the reference"
         except Mismatch as e:
             status, reason = "failed", f"{description}: {e}"
         except Exception as e:
-            status, reason = "failed", \
-                f"{description}: your function raised {type(e).__name__}: {e}"
+            kind = getattr(e, "type_name", type(e).__name__)
+            status, reason = "failed", f"{description}: your function raised {kind}: {e}" \
+                if not hasattr(e, "type_name") else f"{description}: your function raised {e}"
         if status != "passed":
             break
     icon = {"passed": "✅", "failed": "❌", "not implemented": "⏳"}[status]
     print(f"{icon} {label}: " + (reason or f"passed {len(cases)} cases"))
-    record_check(name, status, reason)
     return CheckResult(name, status, reason, yours, reference)
 
 
+def _tensor_args(args, kwargs, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for i, a in enumerate(args):
+        label = f"`{names[i]}`" if i < len(names) else f"argument {i + 1}"
+        out += [(label, t) for t in _flat_tensors(a)]
+    for k, v in kwargs.items():
+        out += [(f"`{k}`", t) for t in _flat_tensors(v)]
+    return out
+
+
+def _flat_tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _flat_tensors(v)]
+    return []
+
+
+def _no_mutation(fn: Callable, reference: Callable) -> Callable:
+    try:
+        names = list(inspect.signature(reference).parameters)
+    except (TypeError, ValueError):
+        names = []
+
+    def call(*args, **kwargs):
+        watched = _tensor_args(args, kwargs, names)
+        before = [t.detach().clone() for _, t in watched]
+        out = fn(*args, **kwargs)
+        for (label, t), b in zip(watched, before, strict=True):
+            if t.shape != b.shape or not torch.equal(t.detach().nan_to_num(0.5),
+                                                     b.nan_to_num(0.5)):
+                raise Mismatch(f"your function changed its input {label} in place (an in-place "
+                               "op such as `x -= ...`, `x[...] = ...` or `.clamp_()`): the "
+                               "caller still needs it; work on a copy or use out-of-place ops")
+        return out
+
+    call.__wrapped_student__ = fn
+    return call
+
+
 def _expect(got, want, what: str, **tol) -> None:
-    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise Mismatch(f"{what}: you returned {_kind(got)}, expected a tensor of "
+                           f"{_shape(want)}")
         if got.shape != want.shape:
             raise Mismatch(f"{what} has {_shape(got)}, expected {_shape(want)}")
+        if got.is_complex() or (got.dtype == torch.bool) != (want.dtype == torch.bool) and \
+                want.dtype != torch.bool:
+            raise Mismatch(f"{what} has dtype {got.dtype}, expected {want.dtype}")
         if torch.isnan(got).any() and not torch.isnan(want).any():
             raise Mismatch(f"{what} contains NaN where the reference has none")
     if not _close(got, want, **tol):
-        raise Mismatch(f"{what} is {_fmt(got)}, expected {_fmt(want)}")
+        raise Mismatch(f"{what} is wrong: {_difference(got, want, **tol)}")
+
+
+def _kind(x) -> str:
+    return f"{type(x).__name__} {_fmt(x)}" if x is not None else "None"
+
+
+def _difference(got, want, atol=1e-5, rtol=1e-4) -> str:
+    """Where and by how much `got` differs from `want`, and a guess at why."""
+    if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
+        return f"yours is {_fmt(got)}, expected {_fmt(want)}"
+    g, w = got.detach().double(), want.detach().double()
+    bad = ~torch.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True)
+    idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.any() else ()
+    at = f"[{', '.join(map(str, idx))}]" if idx else ""
+    n = int(bad.sum())
+    msg = (f"{n} of {bad.numel()} entries differ; at {at or 'the value'} yours is "
+           f"{g[idx].item():.6g}, expected {w[idx].item():.6g} "
+           f"(off by {abs(g[idx] - w[idx]).item():.2g}; tolerance {atol:g} + {rtol:g} x |expected|)")
+    cause = _cause(g, w, atol, rtol)
+    return msg + (f": {cause}" if cause else "")
+
+
+def _cause(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
+    finite = torch.isfinite(g) & torch.isfinite(w)
+    if not finite.any():
+        return ""
+    g, w = g[finite], w[finite]
+    if torch.allclose(g, -w, rtol=rtol, atol=atol) and w.abs().max() > atol:
+        return "yours has the opposite sign everywhere"
+    nz = w.abs() > 1e-8
+    if nz.any():
+        ratio = g[nz] / w[nz]
+        k = ratio.median()
+        if torch.allclose(g, w * k, rtol=rtol, atol=atol) and not math.isclose(k.item(), 1):
+            return f"yours is {k.item():.4g} x the expected value everywhere (a wrong " \
+                "normaliser or a missing factor?)"
+    d = (g - w).median()
+    if torch.allclose(g, w + d, rtol=rtol, atol=atol) and abs(d.item()) > atol:
+        return f"yours is off by a constant {d.item():.4g} everywhere"
+    rel = ((g - w).abs() / w.abs().clamp(min=1e-12)).max().item()
+    if rel < 1e-2:
+        return "close but not equal: rounding? (compute in float32 and do not round)"
+    return ""
 
 
 def _fmt(x) -> str:
@@ -215,10 +295,29 @@ def check_group_advantages(fn: Callable) -> CheckResult:
 
 
 # --- 03 --------------------------------------------------------------------------------------
+def _requires_grad(out, what: str, wrt: str = "logp") -> None:
+    if not isinstance(out, torch.Tensor):
+        return
+    if not out.requires_grad:
+        raise Mismatch(f"{what} carries no gradient with respect to {wrt}: did you .detach() "
+                       "it, compute it under torch.no_grad(), or go through .item()/numpy? "
+                       "Training could not learn from it")
+
+
+def _grad(out: torch.Tensor, leaf: torch.Tensor, upstream: torch.Tensor, what: str):
+    try:
+        (g,) = torch.autograd.grad(out, leaf, upstream, allow_unused=True)
+    except RuntimeError as e:
+        raise Mismatch(f"the gradient of {what} could not be computed through your function "
+                       f"({str(e)[:120]})") from None
+    return torch.zeros_like(leaf) if g is None else g
+
+
 def check_kl_k3(fn: Callable) -> CheckResult:
     ref = objective.kl_k3
     logp = -torch.rand(4, 5, generator=_gen(4)) * 3
     ref_logp = -torch.rand(4, 5, generator=_gen(5)) * 3
+    upstream = torch.rand(4, 5, generator=_gen(8)) + 0.5
 
     def run(f):
         got = f(logp.clone(), ref_logp.clone())
@@ -232,68 +331,114 @@ def check_kl_k3(fn: Callable) -> CheckResult:
                            "biased (notebook 09 measures it); k3 = exp(r) - r - 1 is not")
         _expect(got, ref(logp, ref_logp), "k3")
 
+    def gradient(f):
+        lp = logp.clone().requires_grad_(True)
+        got = f(lp, ref_logp.clone())
+        _expect(got.detach() if isinstance(got, torch.Tensor) else got, ref(logp, ref_logp),
+                "k3")
+        _requires_grad(got, "your k3")
+        lp2 = logp.clone().requires_grad_(True)
+        want = _grad(ref(lp2, ref_logp), lp2, upstream, "k3")
+        _expect(_grad(got, lp, upstream, "k3"), want, "the gradient of k3 with respect to logp")
+
     def equal(f):
         _expect(f(logp.clone(), logp.clone()), torch.zeros_like(logp), "k3 for identical policies")
 
-    return run_check("kl_k3", fn, ref, [("random log-probs", run), ("identical policies", equal)])
+    return run_check("kl_k3", fn, ref, [("random log-probs", run), ("identical policies", equal),
+                                        ("the gradient with respect to logp", gradient)])
 
 
 def check_clipped_surrogate(fn: Callable) -> CheckResult:
-
     ref = objective.clipped_surrogate
     old = -torch.rand(6, 3, generator=_gen(6)) * 2
     log_r = torch.tensor([-1.0, -0.3, -0.1, 0.0, 0.1, 0.3]).unsqueeze(-1).expand(6, 3)
     logp = old + log_r
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+    upstream = torch.rand(6, 3, generator=_gen(9)) + 0.5
+
+    def pair(got):
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise Mismatch("return (per_token_loss, region_clipped), a pair of (B, C) tensors")
+        return got
 
     def run(f, eps_low=0.2, eps_high=0.2):
         lp = logp.clone().requires_grad_(True)
-        got = f(lp, old.clone(), adv.clone(), eps_low, eps_high)
-        if not (isinstance(got, tuple) and len(got) == 2):
-            raise Mismatch("return (per_token_loss, region_clipped), a pair of (B, C) tensors")
+        got = pair(f(lp, old.clone(), adv.clone(), eps_low, eps_high))
         want_loss, want_clipped = ref(logp, old, adv, eps_low, eps_high)
         const, _ = naive.constant_clip_surrogate(logp, old, adv, eps_low, eps_high)
-        if _close(got[0], const) and not _close(got[0], want_loss):
+        loss = got[0].detach() if isinstance(got[0], torch.Tensor) else got[0]
+        if _close(loss, const) and not _close(loss, want_loss):
             raise Mismatch("your clipped term multiplies the advantage by the clip range "
                            "(report 001's `clip_ratio * advantage`); clip the *ratio*: "
                            "clamp(r, 1 - eps_low, 1 + eps_high) * A")
-        _expect(got[0], want_loss, f"the per-token loss (eps_low={eps_low}, eps_high={eps_high})")
-        _expect(got[1].bool(), want_clipped, "region_clipped")
-        got[0].sum().backward()
+        _expect(loss, want_loss, f"the per-token loss (eps_low={eps_low}, eps_high={eps_high})")
+        clipped = got[1]
+        _expect(clipped.bool() if isinstance(clipped, torch.Tensor) else clipped, want_clipped,
+                "region_clipped")
+        _requires_grad(got[0], "your per-token loss")
         lp2 = logp.clone().requires_grad_(True)
-        ref(lp2, old, adv, eps_low, eps_high)[0].sum().backward()
-        _expect(lp.grad, lp2.grad, "the gradient with respect to logp")
+        want = _grad(ref(lp2, old, adv, eps_low, eps_high)[0], lp2, upstream, "the loss")
+        _expect(_grad(got[0], lp, upstream, "the loss"), want,
+                "the gradient of the loss with respect to logp")
+
+    def clamp(f):
+        far = old + torch.tensor([-30.0, -3.0, 0.0, 3.0, 30.0, 1.0]).unsqueeze(-1)
+        got = pair(f(far.clone(), old.clone(), adv.clone(), 0.2, 0.2, log_ratio_clamp=2.0))
+        want = ref(far, old, adv, 0.2, 0.2, log_ratio_clamp=2.0)[0]
+        loss = got[0].detach() if isinstance(got[0], torch.Tensor) else got[0]
+        if _close(loss, ref(far, old, adv, 0.2, 0.2)[0]) and not _close(loss, want):
+            raise Mismatch("log_ratio_clamp=2.0 changed nothing: clamp log r = logp - "
+                           "old_logp to [-2, 2] before exp (with log r = 30, exp overflows "
+                           "the loss)")
+        _expect(loss, want, "the per-token loss with log_ratio_clamp=2.0 (log r of +-3, +-30)")
 
     def reference_ratio(f):
         # a ratio against the old policy is 1 when nothing changed: loss = -A on every token
-        got = f(old.clone(), old.clone(), adv.clone(), 0.2, 0.2)
+        got = pair(f(old.clone(), old.clone(), adv.clone(), 0.2, 0.2))
         _expect(got[0], -adv.unsqueeze(-1).expand(6, 3), "the loss when logp == old_logp")
 
     return run_check("clipped_surrogate", fn, ref, [
         ("ratios inside and outside [0.8, 1.2], both signs of A", run),
         ("asymmetric clip range (eps_high = 0.28)", lambda f: run(f, 0.2, 0.28)),
         ("ratio 1 when the policy has not moved", reference_ratio),
+        ("log_ratio_clamp bounds the log-ratio before exp", clamp),
     ])
 
 
 def check_token_weights(fn: Callable) -> CheckResult:
     ref = objective.token_weights
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    cap = 8  # the completion cap; this batch happens to be padded only to 5
 
     def case(loss_type):
         def run(f):
-            got = f(mask.clone(), loss_type, 5)
-            want = ref(mask, loss_type, 5)
+            got = f(mask.clone(), loss_type, cap)
+            want = ref(mask, loss_type, cap)
+            if loss_type == "dr_grpo" and isinstance(got, torch.Tensor) and _close(
+                    got, mask.float() / (mask.shape[0] * mask.shape[1])):
+                raise Mismatch(f"you divided by the tensor's width ({mask.shape[1]}); "
+                               f"divide by max_completion_length ({cap}), the cap: the weights "
+                               "must not depend on how far this batch happens to be padded")
             if isinstance(got, torch.Tensor) and got.shape == want.shape and not _close(
                 got.sum(), want.sum()
             ):
                 raise Mismatch(f"{loss_type}: your weights sum to {float(got.sum()):.4f}, "
                                f"expected {float(want.sum()):.4f}")
-            _expect(got, want, f"{loss_type} weights for lengths [3, 1, 5, 0]")
+            _expect(got, want, f"{loss_type} weights for lengths [3, 1, 5, 0], cap {cap}")
         return run
 
+    def unknown(f):
+        try:
+            got = f(mask.clone(), "sum", cap)
+        except ValueError:
+            return
+        raise Mismatch(f"loss_type='sum' returned {_kind(got)[:60]}; raise ValueError for a "
+                       "loss_type you do not know: a typo in the config would otherwise train "
+                       "with a loss nobody chose")
+
     return run_check("token_weights", fn, ref, [(t, case(t)) for t in
-                                                ("grpo", "bnpo", "dapo", "dr_grpo")])
+                                                ("grpo", "bnpo", "dapo", "dr_grpo")] +
+                     [("an unknown loss_type", unknown)])
 
 
 # --- 04 --------------------------------------------------------------------------------------

@@ -1,130 +1,416 @@
-"""Classroom grading: `python -m grpo_lab grade NOTEBOOK... [--json OUT] [--csv OUT]`.
+"""Classroom grading: `python -m grpo_lab grade SUBMISSION... [--json OUT] [--csv OUT]
+[--feedback DIR] [--journal FILE]`.
 
-Each submission runs in a fresh kernel (cwd: its own folder) with a time limit per cell.
-Its checker calls (`check_<name>(fn)`) record their verdicts to a file named by
-$GRPO_LAB_GRADING_LOG; the grader reads them back. Cells that raise do not stop the run
-(later exercises are still graded); a hang stops it at the limit. An exercise whose
-checker never ran gets 0 points with the reason. One bad submission never stops the others.
-
-The exercises a notebook must have are the `check_<name>(` calls in the solution notebook
-of the same file name, from the manifest shipped in the package (labs.py), one point each.
+Nothing the student's notebook prints, writes or patches decides a grade:
+- the exercises a notebook has come from the exercise manifest (grpo_lab/course/
+  exercises.json, written from the solution notebooks by `python -m grpo_lab labs`): the
+  cell id and function of each exercise, its checker, its reference, what it may use;
+- a submission is matched to a course notebook by its content (the exercise functions and
+  cell ids it holds), so a renamed file is still graded as what it is;
+- only each exercise's own cell is taken from the submission (check cells are ignored:
+  deleting, duplicating or editing them changes nothing); a missing exercise scores 0;
+- the cell is read first (`integrity`): importing or calling the exercise's own reference
+  scores 0 with the reason;
+- the cell runs in a sandboxed worker (`sandbox`: its own temporary folder, process limits,
+  namespaces and Landlock where available); the exercise's checker runs here in the grader,
+  calling the student's function through a proxy: the inputs are the checker's, values and
+  gradients come back as data and are compared with the reference here;
+- results go to an append-only journal (JSON lines, fsync'd) written by the grader alone: a
+  grader stopped mid-class and started again skips what is done and ends with the same
+  grades; the JSON, the gradebook CSV and the feedback files are written from it at the end.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import csv
+import hashlib
+import io
 import json
 import os
+import re
+import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import nbformat
+from . import checks, integrity, sandbox
+from .labs import load_manifest, python_source
 
-from .checks import LOG_ENV
-from .labs import expected_exercises
+MAX_NOTEBOOK_BYTES = 20 << 20
+JOURNAL_VERSION = 1
 
 
 @dataclass
 class Record:
-    notebook: str
+    notebook: str  # the submission's path
+    student: str
     exercise: str
     points: int
     max_points: int
-    status: str  # passed | failed | not implemented | not run
+    status: str  # passed | failed | not implemented | missing | flagged | not graded
     reason: str
 
 
-def run_submission(path: Path, cell_timeout: int) -> tuple[list[dict], str | None]:
-    """Execute `path`; returns (checker records, why it stopped early or None)."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+class JournalError(Exception):
+    """The journal cannot be read back (message: one line naming the file and line)."""
 
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "checks.jsonl"
-        log.touch()
-        stopped = None
+
+# --- reading a submission ---------------------------------------------------------------------
+@dataclass
+class Cell:
+    index: int
+    id: str | None
+    source: str
+
+
+def read_cells(raw: bytes) -> list[Cell]:
+    nb = json.loads(raw.decode("utf-8"))
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise ValueError("not a notebook (no list of cells)")
+    cells = []
+    for i, c in enumerate(nb["cells"]):
+        if not isinstance(c, dict) or c.get("cell_type") != "code":
+            continue
+        src = c.get("source", "")
+        if isinstance(src, list):
+            src = "".join(s for s in src if isinstance(s, str))
+        if not isinstance(src, str):
+            continue
+        cid = c.get("id")
+        cells.append(Cell(i, cid if isinstance(cid, str) else None, src))
+    return cells
+
+
+def defines(source: str) -> set[str]:
+    try:
+        tree = ast.parse(python_source(source))
+    except SyntaxError:
+        return set(re.findall(r"^def\s+(\w+)\s*\(", source, re.M))
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def match_notebook(name: str, cells: list[Cell], manifest: dict) -> tuple[str | None, str]:
+    """The course notebook a submission is, by content (exercise functions and cell ids);
+    the file name only breaks ties. Returns (notebook name or None, note)."""
+    defined = set().union(*(defines(c.source) for c in cells)) if cells else set()
+    ids = {c.id for c in cells if c.id}
+    scores = {}
+    for nb, spec in manifest["notebooks"].items():
+        exercises = spec["exercises"]
+        if not exercises:
+            continue
+        score = sum(e["function"] in defined for e in exercises) + \
+            sum(e["cell_id"] in ids for e in exercises)
+        scores[nb] = score
+    best = max(scores.values(), default=0)
+    if best == 0:
+        if name in manifest["notebooks"] and manifest["notebooks"][name]["exercises"]:
+            return name, ""
+        return None, ("matches no course notebook: it defines none of their exercise "
+                      "functions (graded 0; is it the right file?)")
+    top = sorted(nb for nb, s in scores.items() if s == best)
+    chosen = name if name in top else top[0]
+    note = "" if chosen == name else f" (the file is named {name}; graded as {chosen} by " \
+        "its content)"
+    return chosen, note
+
+
+def exercise_cell(cells: list[Cell], exercise: dict) -> Cell | None:
+    """The student's cell for `exercise`: the cell with its id if that still defines the
+    function, else the last cell that defines it."""
+    fn = exercise["function"]
+    for c in cells:
+        if c.id == exercise["cell_id"] and fn in defines(c.source):
+            return c
+    candidates = [c for c in cells if fn in defines(c.source)]
+    return candidates[-1] if candidates else None
+
+
+def prelude(exercise: dict, source: str, forbidden: set[str]) -> str:
+    """The setup imports the student's cell refers to (from the solution notebook), never the
+    exercise's own reference."""
+    try:
+        used = {n.id for n in ast.walk(ast.parse(python_source(source)))
+                if isinstance(n, ast.Name)}
+    except SyntaxError:
+        used = set(re.findall(r"\w+", source))
+    lines = []
+    for stmt in exercise["setup"]:
+        if set(stmt["binds"]) & used and not set(stmt["binds"]) & forbidden and not (
+                set(stmt["names"]) & forbidden):
+            lines.append(stmt["source"])
+    return "\n".join(lines) + "\n"
+
+
+# --- grading one submission ------------------------------------------------------------------
+def student_name(path: Path, all_paths: list[Path]) -> str:
+    parents = {p.parent for p in all_paths}
+    return path.parent.name if len(parents) > 1 or len(all_paths) == 1 and \
+        path.parent.name not in ("", ".") else path.stem
+
+
+def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
+                     limits: sandbox.Limits, raw: bytes | None = None) -> list[Record]:
+    def one(exercise: str, points: int, max_points: int, status: str, reason: str) -> Record:
+        return Record(str(path), student, exercise, points, max_points, status, reason)
+
+    try:
+        raw = raw if raw is not None else _read(path)
+        cells = read_cells(raw)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is graded 0 with why
+        nb = manifest["notebooks"].get(path.name)
+        why = f"could not read the notebook: {type(e).__name__}: {str(e)[:160]}"
+        if nb:
+            return [one(e["function"], 0, e["points"], "not graded", why)
+                    for e in nb["exercises"]]
+        return [one("(none)", 0, 0, "not graded", why)]
+    nb_name, note = match_notebook(path.name, cells, manifest)
+    if nb_name is None:
+        return [one("(none)", 0, 0, "not graded", note)]
+    spec = manifest["notebooks"][nb_name]
+    records: list[Record] = []
+    worker = sandbox.Worker(pkg_root, limits)
+    try:
+        for ex in spec["exercises"]:
+            records.append(_grade_exercise(worker, cells, ex, one, note))
+    finally:
+        worker.close()
+    return records
+
+
+def _grade_exercise(worker: sandbox.Worker, cells: list[Cell], ex: dict, one, note: str
+                    ) -> Record:
+    name, pts = ex["function"], ex["points"]
+    cell = exercise_cell(cells, ex)
+    if cell is None:
+        return one(name, 0, pts, "missing", f"no cell defines {name}() (deleted or renamed?)"
+                   + note)
+    forbidden = set(ex["forbidden"])
+    source = python_source(cell.source)
+    problems = integrity.violations(source, name, forbidden, set(ex["may_use"]))
+    if problems:
+        p = problems[0]
+        return one(name, 0, pts, "flagged", f"{name}() {p.reason} (cell {cell.index}, line "
+                   f"{p.line}): write the exercise yourself" + note)
+    if worker.dead:
+        worker.restart()
+    try:
+        head, _ = worker.request(("define", name, prelude(ex, source, forbidden), source,
+                                  ex["tripwires"]))
+    except sandbox.SandboxError as e:
+        return one(name, 0, pts, "failed", f"running the cell of {name}(): {e}" + note)
+    if "error" in head:
+        err = head["error"]
+        if err.get("builtin") == "NotImplementedError" or err.get("type") == "NotImplementedError":
+            return one(name, 0, pts, "not implemented", "not implemented yet" + note)
+        where = f" ({err.get('where')} of the cell)" if err.get("where") else ""
+        why = str(err.get("message"))[:200]
+        if "Permission denied" in why or "Operation not permitted" in why:
+            why += " (a graded cell may only write in its own temporary folder)"
+        return one(name, 0, pts, "failed", f"the cell of {name}() raised {err.get('type')}: "
+                   f"{why}{where}" + note)
+    remote = sandbox.RemoteFunction(worker, name)
+    checker = getattr(checks, ex["checker"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = checker(remote)
+    if remote.reference_called:
+        return one(name, 0, pts, "flagged", f"{name}() calls the reference "
+                   f"{remote.reference_called}: write the exercise yourself" + note)
+    reason = "not implemented yet" if result.status == "not implemented" else result.reason
+    return one(name, pts if result.passed else 0, pts, result.status, reason + note)
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        raw = f.read(MAX_NOTEBOOK_BYTES + 1)
+    if len(raw) > MAX_NOTEBOOK_BYTES:
+        raise ValueError(f"larger than {MAX_NOTEBOOK_BYTES >> 20} MiB")
+    return raw
+
+
+# --- the journal -----------------------------------------------------------------------------
+RECORD_KEYS = {"notebook": str, "student": str, "exercise": str, "points": int,
+               "max_points": int, "status": str, "reason": str}
+
+
+def read_journal(path: Path) -> dict[tuple[str, str], list[Record]]:
+    """Finished submissions: (path, sha256) -> records. A record line without its
+    submission's closing line (a grader stopped mid-submission) is dropped: it is re-graded."""
+    done: dict[tuple[str, str], list[Record]] = {}
+    pending: dict[tuple[str, str], list[Record]] = {}
+    if not path.exists():
+        return done
+    with open(path, encoding="utf-8", errors="strict") as f:
+        lines = f.read().split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            nb = nbformat.read(path, as_version=4)
-            os.environ[LOG_ENV] = str(log)
-            client = NotebookClient(
-                nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
-                resources={"metadata": {"path": str(path.parent)}},
-            )
-            client.execute()
-            errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                      if o.get("output_type") == "error"]
-            if errors:
-                stopped = f"a cell raised {errors[0]['ename']}: {errors[0]['evalue'][:120]}"
-        except CellTimeoutError:
-            stopped = f"a cell ran longer than the {cell_timeout} s limit (hung?)"
-        except DeadKernelError as e:
-            stopped = f"the kernel died: {str(e)[:120]}"
-        except Exception as e:  # unreadable notebook, kernel failure, ...
-            stopped = f"could not run: {type(e).__name__}: {str(e)[:160]}"
-        finally:
-            os.environ.pop(LOG_ENV, None)
-        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return records, stopped
+            entry = json.loads(line)
+            key = (entry["path"], entry["sha256"])
+            if not all(isinstance(k, str) for k in key):
+                raise ValueError("path and sha256 must be strings")
+            if entry.get("v") != JOURNAL_VERSION:
+                raise ValueError(f"version {entry.get('v')!r}, expected {JOURNAL_VERSION}")
+            if entry["kind"] == "record":
+                rec = entry["record"]
+                for k, t in RECORD_KEYS.items():
+                    if not isinstance(rec.get(k), t):
+                        raise ValueError(f"field {k!r} missing or not {t.__name__}")
+                pending.setdefault(key, []).append(Record(**{k: rec[k] for k in RECORD_KEYS}))
+            elif entry["kind"] == "done":
+                done[key] = pending.pop(key, [])
+            else:
+                raise ValueError(f"unknown kind {entry['kind']!r}")
+        except Exception as e:  # noqa: BLE001
+            if n == len(lines) or n == len(lines) - 1 and not lines[-1]:
+                break  # a last line cut short by a kill: ignore it, it is re-graded
+            raise JournalError(f"{path}: line {n} is corrupt ({type(e).__name__}: "
+                               f"{str(e)[:100]}); move the journal away to start over") from None
+    return done
 
 
-def grade_notebook(path: Path, cell_timeout: int = 300) -> list[Record]:
-    expected = expected_exercises(path.name)
-    if expected is None:
-        return [Record(str(path), "(none)", 0, 0, "not run",
-                       f"{path.name} is not a course notebook: submit it under its course "
-                       "file name (e.g. 03_the_grpo_objective.ipynb)")]
-    records, stopped = run_submission(path, cell_timeout)
-    latest = {r["exercise"]: r for r in records}  # a re-run check counts its last verdict
-    names = expected + [n for n in latest if n not in expected]
-    out = []
-    for name in names:
-        r = latest.get(name)
-        if r is None:
-            reason = f"the checker never ran ({stopped})" if stopped else \
-                "the checker never ran (was its cell deleted?)"
-            out.append(Record(str(path), name, 0, 1, "not run", reason))
-        else:
-            passed = r["status"] == "passed"
-            out.append(Record(str(path), name, int(passed), 1, r["status"],
-                              r["reason"] or ("" if passed else r["status"])))
-    if not names:
-        out.append(Record(str(path), "(none)", 0, 0, "not run",
-                          stopped or "no exercises found for this notebook in solutions/"))
+class Journal:
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "a", encoding="utf-8")
+
+    def write(self, entry: dict) -> None:
+        self.f.write(json.dumps({"v": JOURNAL_VERSION, **entry}, ensure_ascii=False) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def submission(self, path: str, sha: str, records: list[Record]) -> None:
+        for r in records:
+            self.write({"kind": "record", "path": path, "sha256": sha, "record": asdict(r)})
+        self.write({"kind": "done", "path": path, "sha256": sha})
+
+    def close(self) -> None:
+        self.f.close()
+
+
+# --- reports ---------------------------------------------------------------------------------
+def print_table(records: list[Record], width: int = 100) -> None:
+    name_w = max([len(r.student) for r in records] + [7])
+    ex_w = max([len(r.exercise) for r in records] + [8])
+    head = f"{'student':{name_w}}  {'exercise':{ex_w}}  points  {'status':15}  "
+    print(head + "reason")
+    indent = " " * len(head)
+    for r in records:
+        lines = textwrap.wrap(r.reason, max(30, width - len(head))) or [""]
+        print(f"{r.student:{name_w}}  {r.exercise:{ex_w}}  {r.points}/{r.max_points}     "
+              f"{r.status:15}  {lines[0]}")
+        for line in lines[1:]:
+            print(indent + line)
+    for student, rs in _by_student(records).items():
+        print(f"total {student}: {sum(r.points for r in rs)}/{sum(r.max_points for r in rs)}")
+
+
+def _by_student(records: list[Record]) -> dict[str, list[Record]]:
+    out: dict[str, list[Record]] = {}
+    for r in records:
+        out.setdefault(r.student, []).append(r)
     return out
 
 
-def print_table(records: list[Record]) -> None:
-    width = max([len(r.notebook) for r in records] + [8])
-    print(f"{'notebook':{width}}  {'exercise':26}  points  status           reason")
-    for r in records:
-        print(f"{r.notebook:{width}}  {r.exercise:26}  {r.points}/{r.max_points}     "
-              f"{r.status:15}  {r.reason[:90]}")
-    by_nb: dict[str, list[Record]] = {}
-    for r in records:
-        by_nb.setdefault(r.notebook, []).append(r)
-    for nb, rs in by_nb.items():
-        print(f"total {nb}: {sum(r.points for r in rs)}/{sum(r.max_points for r in rs)}")
+def write_gradebook(records: list[Record], path: Path) -> None:
+    """One row per student, one column per exercise, then total and max (LMS import)."""
+    exercises = list(dict.fromkeys(r.exercise for r in records if r.exercise != "(none)"))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["student", *exercises, "total", "max"])
+        for student, rs in _by_student(records).items():
+            pts = {r.exercise: r.points for r in rs}
+            w.writerow([student, *(pts.get(e, 0) for e in exercises),
+                        sum(r.points for r in rs),
+                        sum(r.max_points for r in rs) or sum(
+                            next((x.max_points for x in records if x.exercise == e), 0)
+                            for e in exercises)])
 
 
+def write_feedback(records: list[Record], folder: Path, hints: dict[str, str]) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for student, rs in _by_student(records).items():
+        lines = [f"# Feedback for {student}", "",
+                 f"Total: **{sum(r.points for r in rs)}/{sum(r.max_points for r in rs)}**", ""]
+        for r in rs:
+            icon = "passed" if r.status == "passed" else r.status
+            lines += [f"## {r.exercise}: {r.points}/{r.max_points} ({icon})", ""]
+            if r.reason:
+                lines += [r.reason, ""]
+            if r.status != "passed" and hints.get(r.exercise):
+                lines += [f"Hint: {hints[r.exercise]}", ""]
+        p = folder / f"{_safe(student)}.md"
+        p.write_text("\n".join(lines), encoding="utf-8")
+        written.append(p)
+    return written
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name)[:100] or "student"
+
+
+# --- the command -----------------------------------------------------------------------------
 def main(paths: list[str], json_out: str | None, csv_out: str | None,
-         cell_timeout: int = 300) -> int:
-    records: list[Record] = []
-    for p in paths:
-        t0 = time.time()
-        rs = grade_notebook(Path(p), cell_timeout)
-        records += rs
-        print(f"graded {p}: {sum(r.points for r in rs)}/{sum(r.max_points for r in rs)} "
-              f"({time.time() - t0:.0f} s)")
+         cell_timeout: float = 60, *, journal: str | None = None,
+         feedback: str | None = None, submission_timeout: float = 600,
+         memory_mb: int = 4096, manifest: dict | None = None) -> int:
+    manifest = manifest or load_manifest()
+    limits = sandbox.Limits(call_s=cell_timeout, submission_s=submission_timeout,
+                            memory_mb=memory_mb)
+    files = [Path(p) for p in paths]
+    journal_path = Path(journal) if journal else Path(json_out or "grades.json").with_suffix(
+        ".journal.jsonl")
+    try:
+        done = read_journal(journal_path)
+    except (JournalError, UnicodeDecodeError) as e:
+        print(f"error: {e}" if isinstance(e, JournalError) else
+              f"error: {journal_path}: not UTF-8 text ({e.reason}); move it away to start over",
+              file=sys.stderr)
+        return 2
+    print(f"sandbox: {sandbox.describe()}")
+    if done:
+        print(f"journal {journal_path}: {len(done)} submissions already graded, skipped")
+    out: list[Record] = []
+    log = Journal(journal_path)
+    with tempfile.TemporaryDirectory(prefix="grpo-grade-pkg-") as pkg:
+        pkg_root = sandbox.package_copy(Path(pkg))
+        try:
+            for path in files:
+                try:
+                    raw = _read(path)
+                except Exception as e:  # noqa: BLE001
+                    raw = f"unreadable: {type(e).__name__}: {e}".encode()
+                sha = hashlib.sha256(raw).hexdigest()
+                key = (str(path), sha)
+                if key in done:
+                    out += done[key]
+                    continue
+                t0 = time.time()
+                rs = grade_submission(path, student_name(path, files), manifest, pkg_root,
+                                      limits, raw)
+                log.submission(str(path), sha, rs)
+                done[key] = rs
+                out += rs
+                print(f"graded {path}: {sum(r.points for r in rs)}/"
+                      f"{sum(r.max_points for r in rs)} ({time.time() - t0:.0f} s)", flush=True)
+        finally:
+            log.close()
     print()
-    print_table(records)
-    rows = [asdict(r) for r in records]
+    print_table(out)
     if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=2, ensure_ascii=False))
+        Path(json_out).write_text(json.dumps([asdict(r) for r in out], indent=2,
+                                             ensure_ascii=False))
     if csv_out:
-        with open(csv_out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["notebook"])
-            writer.writeheader()
-            writer.writerows(rows)
+        write_gradebook(out, Path(csv_out))
+    if feedback:
+        hints = {e["function"]: e.get("hint", "") for nb in manifest["notebooks"].values()
+                 for e in nb["exercises"]}
+        write_feedback(out, Path(feedback), hints)
     return 0

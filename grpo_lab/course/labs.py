@@ -6,11 +6,14 @@ In every code cell of solutions/NN_*.ipynb (nbgrader's conventions):
   found inside the block, if any;
 - the lines between `### BEGIN HIDDEN TESTS` and `### END HIDDEN TESTS` are removed;
 - outputs and execution counts are cleared.
-It also writes the exercise manifest, `grpo_lab/course/exercises.json`: the exercises
-each notebook must have (the `check_<name>(` calls of its solution, in order). It ships
-inside the package, so `grade` knows them wherever grpo_lab is installed from.
+It also writes the exercise manifest, `grpo_lab/course/exercises.json`: for each notebook
+the exercises it must have (the functions whose `check_<name>(` the solution calls, in
+order), each with what `grade` needs to grade it without running the student's notebook:
+its cell id, function, checker, reference, points (cell metadata `grpo_lab: {points: N}`,
+default 1), hint, the setup imports before it, and the grpo_lab names it may and may not
+use. It ships inside the package, so `grade` knows them wherever grpo_lab is installed from.
 `--check` regenerates in memory and exits 1 when labs/ or the manifest differs (CI runs
-it as a test).
+it as a test). `--nbgrader DIR` writes an nbgrader source folder instead (see `nbgrader_source`).
 
 The course's files are found from `--root`, else from the current directory or one of its
 parents that holds solutions/ and labs/, else from a source checkout the package runs from.
@@ -18,6 +21,9 @@ parents that holds solutions/ and labs/, else from a source checkout the package
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
 import json
 import re
 from pathlib import Path
@@ -97,15 +103,117 @@ def exercises_of(nb) -> list[str]:
     return names
 
 
+MANIFEST_VERSION = 2
+SETUP_ROOTS = ("grpo_lab",)
+
+
+def python_source(source: str) -> str:
+    """IPython magics and shell lines become comments, so the cell parses as Python."""
+    return "\n".join("# " + line if line.lstrip().startswith(("%", "!")) else line
+                     for line in source.splitlines())
+
+
+def _hint(source: str) -> str:
+    for line in source.splitlines():
+        if line.strip().lower().startswith("# hint:"):
+            return line.strip()[len("# hint:"):].strip()
+    return DEFAULT_HINT
+
+
+def _top_functions(source: str) -> list[str]:
+    try:
+        tree = ast.parse(python_source(source))
+    except SyntaxError:
+        return []
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _reference_of(checker) -> str:
+    """The dotted name of the reference a checker compares with (it returns it even for a
+    function that is not implemented)."""
+    def stub(*args, **kwargs):
+        raise NotImplementedError
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref = checker(stub).reference
+    return f"{ref.__module__}.{ref.__qualname__}"
+
+
+def _setup_imports(source: str) -> list[dict]:
+    """The top-level import statements of a cell: source, imported names, the names they
+    bind, and the grpo_lab names among them (dotted)."""
+    try:
+        tree = ast.parse(python_source(source))
+    except SyntaxError:
+        return []
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+            names = [a.name for a in node.names]
+            binds = [(a.asname or a.name).split(".")[0] for a in node.names]
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            full = [f"{module}.{n}" if module else n for n in names]
+            out.append({"source": ast.unparse(node), "names": names, "binds": binds,
+                        "full": [f for f in full if f.split(".")[0] in SETUP_ROOTS]})
+    return out
+
+
+def exercise_specs(nb) -> list[dict]:
+    """The graded exercises of one solution notebook, in order (`exercises_of`), each with
+    what the grader needs (module docstring)."""
+    names = exercises_of(nb)
+    cells = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    out = []
+    for name in names:
+        where = next(((i, c) for i, c in cells if name in _top_functions(c.source)), None)
+        if where is None:
+            raise ValueError(f"the solution calls check_{name}( but no cell defines {name}()")
+        index, cell = where
+        check_cell = next((c for i, c in cells if i > index and
+                           re.search(rf"\bcheck_{name}\(", c.source)), None)
+        checker = f"check_{name}"
+        reference = _reference_of(getattr(checks, checker))
+        module, ref_name = reference.rsplit(".", 1)
+        forbidden = sorted({name, checker, ref_name})
+        setup = [s for i, c in cells if i < index for s in _setup_imports(c.source)]
+        may_use = sorted({f for s in setup for f in s["full"]
+                          if f.rsplit(".", 1)[-1] not in forbidden})
+        out.append({
+            "function": name, "cell_id": cell.get("id"), "cell_index": index,
+            "check_cell_id": check_cell.get("id") if check_cell is not None else None,
+            "checker": checker, "reference": reference,
+            "points": int(cell.metadata.get("grpo_lab", {}).get("points", 1)),
+            "hint": _hint(cell.source), "forbidden": forbidden,
+            "tripwires": [[module.replace(".", "/") + ".py", ref_name]],
+            "setup": setup, "may_use": may_use,
+        })
+    return out
+
+
+def manifest(solutions: list[Path]) -> dict:
+    return {"version": MANIFEST_VERSION, "notebooks": {
+        p.name: {"exercises": exercise_specs(nbformat.read(p, as_version=4))}
+        for p in solutions}}
+
+
 def manifest_text(solutions: list[Path]) -> str:
-    exercises = {p.name: exercises_of(nbformat.read(p, as_version=4)) for p in solutions}
-    return json.dumps(exercises, indent=1) + "\n"
+    return json.dumps(manifest(solutions), indent=1) + "\n"
+
+
+def load_manifest(path: Path | None = None) -> dict:
+    """The exercise manifest (the shipped one unless `path`)."""
+    data = json.loads(Path(path or MANIFEST).read_text())
+    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{path or MANIFEST}: not a version {MANIFEST_VERSION} exercise "
+                         "manifest; run `python -m grpo_lab labs` to rewrite it")
+    return data
 
 
 def expected_exercises(notebook_name: str) -> list[str] | None:
     """The exercises of the course notebook of this file name, from the shipped manifest;
     None when the course has no notebook of that name."""
-    return json.loads(MANIFEST.read_text()).get(notebook_name)
+    nb = load_manifest()["notebooks"].get(notebook_name)
+    return None if nb is None else [e["function"] for e in nb["exercises"]]
 
 
 def student_notebook(path: Path):
@@ -124,10 +232,89 @@ def render(nb) -> str:
     return nbformat.writes(nb) + "\n"
 
 
-def main(check: bool = False, root: str | Path | None = None) -> int:
+# --- nbgrader ----------------------------------------------------------------------------------
+NBGRADER_SCHEMA = 3
+
+
+def _nbgrader(grade_id: str, *, solution=False, grade=False, locked=False, points=None) -> dict:
+    meta = {"grade": grade, "grade_id": grade_id, "locked": locked,
+            "schema_version": NBGRADER_SCHEMA, "solution": solution, "task": False}
+    if points is not None:
+        meta["points"] = points
+    return meta
+
+
+def _hint_outside(source: str) -> str:
+    """The `# Hint:` comment moved above `### BEGIN SOLUTION`, so that nbgrader's stub (which
+    replaces the whole block) keeps it."""
+    lines = source.splitlines()
+    try:
+        begin = next(i for i, x in enumerate(lines) if x.strip() == "### BEGIN SOLUTION")
+    except StopIteration:
+        return source
+    hint = next((i for i, x in enumerate(lines) if i > begin and
+                 x.strip().lower().startswith("# hint:")), None)
+    if hint is None:
+        return source
+    return "\n".join(lines[:begin] + [lines[hint]] + lines[begin:hint] + lines[hint + 1:])
+
+
+def nbgrader_notebook(path: Path):
+    """A solution notebook as an nbgrader source notebook: each exercise cell is a solution
+    cell (nbgrader replaces its `### BEGIN SOLUTION` block by a stub), each check cell an
+    autograded test cell worth the exercise's points (its hidden asserts run at autograde),
+    every other cell locked (nbgrader restores it from the source before grading)."""
+    nb = nbformat.read(path, as_version=4)
+    specs = {e["cell_id"]: e for e in exercise_specs(nb)}
+    checks_of = {e["check_cell_id"]: e for e in specs.values() if e["check_cell_id"]}
+    for i, cell in enumerate(nb.cells):
+        cid = cell.get("id")
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+            cell.metadata.pop("execution", None)
+        if cid in specs:
+            cell.source = _hint_outside(cell.source)
+            cell.metadata["nbgrader"] = _nbgrader(specs[cid]["function"], solution=True)
+        elif cid in checks_of:
+            e = checks_of[cid]
+            if "### BEGIN HIDDEN TESTS" not in cell.source:
+                raise ValueError(f"{path.name} cell {i}: the check cell of {e['function']} "
+                                 "has no hidden test (nbgrader would give its points for free)")
+            cell.metadata["nbgrader"] = _nbgrader(f"test_{e['function']}", grade=True,
+                                                  locked=True, points=e["points"])
+        else:
+            cell.metadata["nbgrader"] = _nbgrader(f"cell-{cid or i}", locked=True)
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def nbgrader_source(dest: Path, solutions: list[Path], assignment: str) -> list[Path]:
+    """Write DEST/source/ASSIGNMENT/<notebook> for each solution notebook: the folder
+    `nbgrader generate_assignment ASSIGNMENT` reads (run with CourseDirectory.root=DEST)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", assignment):
+        raise ValueError(f"--assignment {assignment!r}: letters, digits, _ . - only")
+    folder = dest / "source" / assignment
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for p in solutions:
+        out = folder / p.name
+        out.write_text(render(nbgrader_notebook(p)))
+        written.append(out)
+    return written
+
+
+def main(check: bool = False, root: str | Path | None = None, nbgrader: str | None = None,
+         assignment: str = "grpo_lab") -> int:
     ROOT = find_root(root)
     SOLUTIONS, LABS = ROOT / "solutions", ROOT / "labs"
     sources = sorted(SOLUTIONS.glob("*.ipynb"))
+    if nbgrader:
+        written = nbgrader_source(Path(nbgrader), sources, assignment)
+        print(f"nbgrader source: {len(written)} notebooks in {written[0].parent if written else nbgrader}"
+              f"; next: nbgrader generate_assignment {assignment} "
+              f"--CourseDirectory.root={Path(nbgrader).resolve()}")
+        return 0
     expected = {LABS / p.name: render(student_notebook(p)) for p in sources}
     # the manifest in the checkout's package (the one the next install ships)
     expected[ROOT / "grpo_lab" / "course" / MANIFEST.name] = manifest_text(sources)

@@ -1,0 +1,523 @@
+"""A sandboxed worker process for one submission, and the proxy functions the checkers call.
+
+Layers, each used where the machine offers it (`describe()` says which are on):
+- always: a separate `python -I` process in its own session, cwd and $TMPDIR a fresh
+  temporary folder, a clean environment, stdout/stderr to files capped by RLIMIT_FSIZE,
+  RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC, no core dumps, a wall-clock limit per request
+  and per submission; on exit its process group and every descendant are killed;
+- Linux user namespaces (`unshare`): its own PID namespace (killing its first process ends
+  every process it started, setsid or not; it cannot see or signal the grader) and network
+  namespace (no network);
+- Landlock (Linux >= 5.13): it may write only inside its temporary folder and read only the
+  Python installation and its site-packages, the system folders, the grpo_lab package and
+  the private copy of it the worker imports: not the rest of the instructor's checkout
+  (solutions/), other submissions or the results; with Landlock ABI >= 6 it cannot signal
+  processes outside its sandbox either.
+
+Values cross back as data (JSON and plain tensors loaded with `weights_only=True`), so
+nothing the worker sends can run code in the grader.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import pickle
+import resource
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import _worker
+from ._worker import landlock_abi
+from .checks import Mismatch
+
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Limits:
+    call_s: float = 60.0  # one request: running the exercise cell, one call, one backward
+    startup_s: float = 120.0  # the worker starting (importing torch) before its first request
+    submission_s: float = 600.0  # every request of one submission together
+    memory_mb: int = 4096  # RLIMIT_AS of the worker
+    output_bytes: int = 1 << 20  # stdout + stderr kept (RLIMIT_FSIZE: the worker dies past it)
+    reply_bytes: int = 64 << 20  # one reply of the worker
+    processes: int = 64  # RLIMIT_NPROC above the user's count (not enforced for root)
+
+
+class SandboxError(Mismatch):
+    """The worker timed out, died, or answered something malformed (message: why, in the
+    learner's terms)."""
+
+
+class RemoteError(Exception):
+    """The student's code raised in the worker; carries its type name and message."""
+
+    def __init__(self, type_name: str, message: str, where: str = ""):
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+        self.type_name, self.message, self.where = type_name, message, where
+
+
+class ReferenceCalled(Mismatch):
+    """The student's function called the exercise's reference."""
+
+    def __init__(self, where: str):
+        super().__init__(f"your function calls the reference {where}")
+
+
+
+
+@functools.cache
+def userns_available() -> bool:
+    unshare = shutil.which("unshare")
+    if not unshare or not sys.platform.startswith("linux"):
+        return False
+    try:
+        return subprocess.run([unshare, "-U", "-r", "-p", "-f", "-n", "--kill-child", "true"],
+                              capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def describe() -> str:
+    abi = landlock_abi()
+    parts = ["process limits (memory, CPU, output, time)"]
+    parts.append("PID and network namespaces" if userns_available()
+                 else "no PID namespace (unshare unavailable): descendants killed by tree walk")
+    parts.append(f"Landlock ABI {abi} (writes confined to the submission's folder"
+                 + (", no signals out)" if abi >= 6 else ")") if abi else
+                 "no Landlock: a submission could write outside its folder")
+    return "; ".join(parts)
+
+
+def readable_roots() -> list[str]:
+    roots = {"/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev",
+             sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    for p in sys.path:
+        if p and "site-packages" in p or p.endswith("-packages"):
+            roots.add(p)
+            roots.add(os.path.realpath(p))
+    roots.add(os.path.dirname(os.path.dirname(os.path.realpath(torch.__file__))))
+    roots.add(str(PACKAGE))  # the installed grpo_lab (from a wheel: inside site-packages)
+    return sorted(r for r in roots if r and os.path.exists(r))
+
+
+def package_copy(dest: Path) -> Path:
+    """A private copy of grpo_lab (what a worker's imports see) under `dest`."""
+    shutil.copytree(PACKAGE, dest / "grpo_lab",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+# --- the worker process ----------------------------------------------------------------------
+BOOT = """import sys
+sys.path.insert(0, {pkg!r})
+sys.setrecursionlimit(5000)
+from importlib.machinery import SourceFileLoader
+w = SourceFileLoader("_grading_worker", {worker!r}).load_module()
+w.apply_landlock({writable!r}, {readable!r})
+w.main({fd_in}, {fd_out})
+"""
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+class Worker:
+    """One sandboxed worker for one submission (`with Worker(...) as w:`)."""
+
+    def __init__(self, pkg_root: Path, limits: Limits = Limits()):
+        self.limits, self.pkg_root = limits, pkg_root
+        self.deadline = time.monotonic() + limits.submission_s
+        self.folder = Path(tempfile.mkdtemp(prefix="grpo-grade-"))
+        self.proc: subprocess.Popen | None = None
+        self.dead: str | None = None
+        self.namespaced = False
+        self.starting = False
+
+    def restart(self) -> None:
+        """A fresh process after a death (the submission's deadline stays)."""
+        self.close(keep_folder=True)
+        self.dead = None
+
+    # lifecycle
+    def start(self) -> None:
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        home = self.folder / "work"
+        home.mkdir()
+        out = open(self.folder / "output.txt", "wb")
+        limits, writable = self.limits, [str(home), "/dev/null"]
+        readable = readable_roots() + [str(self.pkg_root)]
+        nproc_base = _user_processes()
+        cpu = int(limits.submission_s) + 5
+
+        def preexec():  # in the child, between fork and exec
+            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb << 20,) * 2)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes,) * 2)
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc_base + limits.processes,) * 2)
+
+        use_ns = self.namespaced = userns_available()
+        worker_file = self.pkg_root / "grpo_lab" / "course" / "_worker.py"
+        boot = BOOT.format(pkg=str(self.pkg_root), worker=str(worker_file), fd_in=to_worker_r,
+                           fd_out=from_worker_w, writable=writable, readable=readable)
+        argv = [sys.executable, "-I", "-c", boot]
+        if use_ns:
+            # sh is the namespace's first process (init ignores signals it has no handler
+            # for, so the worker must not be it); when it ends, the kernel ends the rest
+            argv = [shutil.which("unshare"), "-U", "-r", "-p", "-f", "-n", "--kill-child",
+                    "--", "/bin/sh", "-c", '"$0" "$@"; exit $?'] + argv
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home),
+               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        try:
+            self.proc = subprocess.Popen(
+                argv, cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, pass_fds=(to_worker_r, from_worker_w),
+                start_new_session=True, preexec_fn=preexec, close_fds=True)
+        finally:
+            out.close()
+            os.close(to_worker_r)
+            os.close(from_worker_w)
+        self.w, self.r = to_worker_w, from_worker_r
+        self.starting = True
+
+    def __enter__(self) -> Worker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self, keep_folder: bool = False) -> None:
+        if self.proc is not None:
+            victims = [self.proc.pid] + _descendants(self.proc.pid)
+            for pid in victims:
+                with _quiet():
+                    os.kill(pid, signal.SIGKILL)
+            with _quiet():
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with _quiet():
+                self.proc.wait(timeout=10)
+            for fd in (self.w, self.r):
+                with _quiet():
+                    os.close(fd)
+            self.proc = None
+        if keep_folder:
+            shutil.rmtree(self.folder / "work", ignore_errors=True)
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def output_tail(self, n: int = 400) -> str:
+        try:
+            with open(self.folder / "output.txt", "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - n))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    # requests
+    def request(self, message: tuple) -> tuple[dict, list]:
+        if self.dead:
+            raise SandboxError(self.dead)
+        if self.proc is None:
+            self.start()
+        if self.starting:
+            self._ready()
+        left = self.deadline - time.monotonic()
+        timeout = min(self.limits.call_s, left)
+        if timeout <= 0:
+            self._die(f"the submission used up its {self.limits.submission_s:.0f} s limit")
+        try:
+            payload = pickle.dumps(message, protocol=4)
+            _write_all(self.w, struct.pack("<Q", len(payload)) + payload, timeout)
+            frame = self._read_frame(time.monotonic() + timeout)
+        except TimeoutError:
+            which = "its" if timeout == self.limits.call_s else "the submission's"
+            limit = self.limits.call_s if which == "its" else self.limits.submission_s
+            self._die(f"did not finish within {which} {limit:.0f} s limit (an endless loop?)")
+        except BrokenPipeError:
+            self._die(self._death())
+        try:
+            (n,) = struct.unpack("<Q", frame[:8])
+            head = json.loads(frame[8:8 + n].decode())
+            tensors = torch.load(io.BytesIO(frame[8 + n:]), weights_only=True)
+            if not isinstance(head, dict) or not isinstance(tensors, list) or not all(
+                    isinstance(t, torch.Tensor) for t in tensors):
+                raise ValueError("not a reply")
+            if sum(t.untyped_storage().nbytes() for t in tensors) > self.limits.reply_bytes or \
+                    any(t.numel() * t.element_size() > self.limits.reply_bytes for t in tensors):
+                raise ValueError("too large")
+        except Exception as e:  # noqa: BLE001 - anything malformed is the submission's
+            self._die(f"its worker answered something malformed ({type(e).__name__})")
+        return head, tensors
+
+    def _ready(self) -> None:
+        """Wait for the worker's first frame (it sends one once torch is imported and its
+        sandbox is on), so a slow start is not charged to the first request."""
+        limit = min(self.limits.startup_s, self.deadline - time.monotonic())
+        try:
+            frame = self._read_frame(time.monotonic() + max(limit, 0))
+        except TimeoutError:
+            self._die(f"its worker did not start within {limit:.0f} s (machine overloaded?)")
+        (n,) = struct.unpack("<Q", frame[:8])
+        try:
+            ok = json.loads(frame[8:8 + n].decode()) == {"ready": True}
+        except ValueError:
+            ok = False
+        if not ok:
+            self._die("its worker answered something malformed at start")
+        self.starting = False
+
+    def _die(self, why: str):
+        self.dead = why
+        self.close(keep_folder=True)
+        raise SandboxError(why)
+
+    def _death(self) -> str:
+        code = self.proc.poll() if self.proc else None
+        if code is None and self.proc is not None:
+            with _quiet():
+                code = self.proc.wait(timeout=2)
+        tail = self.output_tail(300).strip().splitlines()
+        last = f" (last output: {tail[-1][:160]!r})" if tail else ""
+        if code is not None and code > 128 and self.namespaced:
+            code = 128 - code  # sh reports a child killed by signal N as 128 + N
+        if code is not None and code < 0:
+            sig = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            hint = {"SIGXFSZ": ": it printed more than the output limit",
+                    "SIGXCPU": ": it used up its CPU time",
+                    "SIGKILL": ": killed (out of memory?)"}.get(sig, "")
+            return f"the process running it died of {sig}{hint}{last}"
+        if code is not None:
+            return f"the process running it exited with code {code}{last}"
+        return f"the process running it stopped answering{last}"
+
+    def _read_frame(self, deadline: float) -> bytes:
+        head = self._read(8, deadline)
+        (n,) = struct.unpack("<Q", head)
+        if n > self.limits.reply_bytes + (1 << 20):
+            self._die(f"its answer was larger than {self.limits.reply_bytes >> 20} MiB")
+        return self._read(n, deadline)
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([self.r], [], [], left)
+            if not ready:
+                raise TimeoutError
+            b = os.read(self.r, min(n - got, 1 << 20))
+            if not b:
+                self._die(self._death())
+            chunks.append(b)
+            got += len(b)
+        return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    view = memoryview(data)
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        _, ready, _ = select.select([], [fd], [], left)
+        if ready:
+            view = view[os.write(fd, view[: 1 << 16]):]
+
+
+def _user_processes() -> int:
+    uid = os.getuid()
+    n = 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            with _quiet():
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    n += 1
+    return n
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is not None and issubclass(exc_type, Exception)
+
+
+# --- decoding and the proxy --------------------------------------------------------------
+@dataclass(frozen=True)
+class Opaque:
+    """A value of a type that cannot cross back (shown by its type and repr)."""
+    type: str
+    text: str
+
+    def __repr__(self) -> str:
+        return f"<{self.type}: {self.text}>"
+
+
+def decode(tree, tensors: list):
+    if isinstance(tree, list):
+        return [decode(v, tensors) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    kind, v = tree.get("~"), tree.get("v")
+    if kind == "tensor":
+        return tensors[int(tree["i"])]
+    if kind == "tuple":
+        return tuple(decode(x, tensors) for x in v)
+    if kind == "dict":
+        return {_hashable(decode(k, tensors)): decode(x, tensors) for k, x in v}
+    if kind == "slice":
+        return slice(*(decode(x, tensors) for x in v))
+    if kind == "range":
+        return range(*(int(x) for x in v))
+    if kind == "int":
+        return int(v)
+    if kind == "float":
+        return float(v)
+    return Opaque(str(tree.get("type")), str(v))
+
+
+def _hashable(k):
+    try:
+        hash(k)
+        return k
+    except TypeError:
+        return repr(k)
+
+
+def _tensors(tree) -> list:
+    return _worker._tensors(tree)
+
+
+class _Bridge(torch.autograd.Function):
+    """Outputs computed in the worker, whose backward asks the worker for the gradients."""
+
+    @staticmethod
+    def forward(ctx, proxy, outs, *leaves):
+        ctx.proxy, ctx.n = proxy, len(leaves)
+        return tuple(o.clone() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        got = ctx.proxy.backward([g if g is not None else torch.zeros(()) for g in grads])
+        return (None, None, *got)
+
+
+class RemoteFunction:
+    """Stands in for the student's function in the grader: each call runs in the worker."""
+
+    def __init__(self, worker: Worker, name: str):
+        self.worker, self.name, self.__name__ = worker, name, name
+        self.reference_called: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        sent = _tensors((args, kwargs))
+        leaves = [t for t in sent if t.requires_grad]
+        head, tensors = self.worker.request(("call", self.name, args, kwargs))
+        if "error" in head:
+            raise _rebuild(head["error"])
+        if head.get("reference"):
+            self.reference_called = str(head["reference"])
+            raise ReferenceCalled(self.reference_called)
+        value = decode(head.get("value"), tensors)
+        after = decode(head.get("after"), tensors)
+        if isinstance(after, list) and len(after) == len(sent):
+            for mine, theirs in zip(sent, after, strict=True):  # in-place changes show here
+                if isinstance(theirs, torch.Tensor) and theirs.shape == mine.shape and \
+                        theirs.dtype == mine.dtype and not torch.equal(
+                            theirs.nan_to_num(0.123), mine.detach().nan_to_num(0.123)):
+                    with torch.no_grad():
+                        mine.copy_(theirs)
+        if not leaves:
+            return value
+        outs = _tensors(value)
+        carry = [int(i) for i in head.get("grad_index") or [] if 0 <= int(i) < len(outs)]
+        if not carry:
+            return value
+        bridged = _Bridge.apply(self, [outs[i] for i in carry], *leaves)
+        mapping = dict(zip(carry, bridged, strict=True))
+        return _replace(value, mapping)
+
+    def backward(self, grads: list[torch.Tensor]) -> list:
+        head, tensors = self.worker.request(("backward", grads))
+        if "error" in head:
+            e = head["error"]
+            raise RuntimeError(f"computing the gradient in your function failed: "
+                               f"{e.get('type')}: {e.get('message')}")
+        got = decode(head.get("grads"), tensors)
+        return [g if isinstance(g, torch.Tensor) else None for g in got]
+
+
+def _replace(tree, mapping: dict[int, torch.Tensor]):
+    counter = iter(range(10**9))
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            i = next(counter)
+            return mapping.get(i, x)
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return x
+    return walk(tree)
+
+
+_BUILTIN_ERRORS = {c.__name__: c for c in (ValueError, TypeError, RuntimeError, IndexError,
+                                           KeyError, ZeroDivisionError, AttributeError,
+                                           NameError, AssertionError, ArithmeticError,
+                                           OverflowError, NotImplementedError, LookupError,
+                                           RecursionError, MemoryError)}
+
+
+def _rebuild(e: dict) -> Exception:
+    name, builtin = str(e.get("type")), str(e.get("builtin"))
+    message = str(e.get("message", ""))[:300]
+    if builtin in ("SystemExit", "KeyboardInterrupt", "BaseException", "GeneratorExit"):
+        return RemoteError(name, message or "your function tried to exit the process")
+    cls = _BUILTIN_ERRORS.get(name) or _BUILTIN_ERRORS.get(builtin)
+    if "File too large" in message:
+        return SandboxError("it printed more than the output limit")
+    if cls is NotImplementedError:
+        return NotImplementedError(message)
+    if cls is not None:
+        err = cls(message) if name == builtin else cls(f"{name}: {message}")
+        return err
+    return RemoteError(name, message)

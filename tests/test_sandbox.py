@@ -1,0 +1,158 @@
+"""The grading sandbox: hostile code that got past the static check still cannot reach the
+grader, the instructor's files or other submissions, cannot outlive its submission, and
+cannot crash or hang the grader; values and gradients cross back as data."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab.course import sandbox
+
+LIMITS = sandbox.Limits(call_s=20, submission_s=60, memory_mb=3072, output_bytes=1 << 16)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    return sandbox.package_copy(tmp_path_factory.mktemp("pkg"))
+
+
+def define(worker, source, name="f", prelude="import torch\n", tripwires=()):
+    head, _ = worker.request(("define", name, prelude, source, [list(t) for t in tripwires]))
+    return head
+
+
+def test_values_and_gradients_cross_back_as_data(pkg):
+    with sandbox.Worker(pkg, LIMITS) as w:
+        assert define(w, "def f(x, y):\n    return (x * y).exp(), {'n': 3, 's': slice(0, 2)}")[
+            "ok"]
+        f = sandbox.RemoteFunction(w, "f")
+        x = torch.randn(4, requires_grad=True)
+        y = torch.randn(4)
+        out, extra = f(x, y)
+        assert extra == {"n": 3, "s": slice(0, 2)}
+        assert torch.allclose(out, (x * y).exp())
+        out.sum().backward()
+        assert torch.allclose(x.grad, y * (x * y).exp().detach())
+
+
+def test_in_place_changes_come_back_to_the_callers_tensor(pkg):
+    with sandbox.Worker(pkg, LIMITS) as w:
+        define(w, "def f(x):\n    x -= 1\n    return x.sum()")
+        x = torch.zeros(3)
+        sandbox.RemoteFunction(w, "f")(x)
+        assert torch.equal(x, -torch.ones(3))
+
+
+def test_exceptions_keep_their_type(pkg):
+    with sandbox.Worker(pkg, LIMITS) as w:
+        define(w, "def f(x):\n    raise ValueError('bad loss_type')")
+        with pytest.raises(ValueError, match="bad loss_type"):
+            sandbox.RemoteFunction(w, "f")(1)
+        define(w, "def f(x):\n    raise NotImplementedError('todo')")
+        with pytest.raises(NotImplementedError):
+            sandbox.RemoteFunction(w, "f")(1)
+
+
+def test_a_call_of_the_reference_is_caught_at_run_time(pkg):
+    src = ("import importlib\n"
+           "def f(logp, ref_logp):\n"
+           "    m = importlib.import_module('grpo_lab.objective')\n"
+           "    return m.kl_k3(logp, ref_logp)\n")
+    with sandbox.Worker(pkg, LIMITS) as w:
+        define(w, src, tripwires=[("grpo_lab/objective.py", "kl_k3")])
+        with pytest.raises(sandbox.ReferenceCalled, match="grpo_lab.objective.kl_k3"):
+            sandbox.RemoteFunction(w, "f")(torch.zeros(2), torch.zeros(2))
+
+
+@pytest.mark.parametrize("target", ["grpo_lab/course/checks.py", "solutions/x.ipynb", "NEW"])
+def test_writes_outside_the_sandbox_are_refused(pkg, target):
+    if not sandbox.landlock_abi():
+        pytest.skip("no Landlock on this machine")
+    path = ROOT / target
+    before = path.read_bytes() if path.exists() else None
+    with sandbox.Worker(pkg, LIMITS) as w:
+        head = define(w, f"open({str(path)!r}, 'a').write('x')\ndef f():\n    return 1")
+    assert head["error"]["type"] == "PermissionError"
+    assert (path.read_bytes() if path.exists() else None) == before
+
+
+def test_reading_other_submissions_is_refused(pkg, tmp_path):
+    if not sandbox.landlock_abi():
+        pytest.skip("no Landlock on this machine")
+    other = tmp_path / "classmate.ipynb"
+    other.write_text("secret answers")
+    with sandbox.Worker(pkg, LIMITS) as w:
+        head = define(w, f"s = open({str(other)!r}).read()\ndef f():\n    return 1")
+    assert head["error"]["type"] == "PermissionError"
+
+
+def _alive(marker: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def test_processes_it_starts_die_with_it_even_setsid(pkg):
+    src = ("import subprocess\n"
+           "for _ in range(5):\n"
+           "    subprocess.Popen(['sleep', '987651'], start_new_session=True)\n"
+           "subprocess.Popen(['sh', '-c', 'setsid sleep 987651 & exit 0'])\n"
+           "def f():\n    return 1\n")
+    with sandbox.Worker(pkg, LIMITS) as w:
+        assert define(w, src)["ok"]
+        time.sleep(0.5)
+    for _ in range(50):
+        if not _alive("987651"):
+            break
+        time.sleep(0.1)
+    assert _alive("987651") == []
+
+
+def test_it_cannot_signal_the_grader(pkg):
+    src = f"import os, signal\nos.kill({os.getpid()}, signal.SIGSTOP)\ndef f():\n    return 1"
+    with sandbox.Worker(pkg, LIMITS) as w:
+        head = define(w, src)
+    # refused (Landlock scope) or a pid in another namespace: either way the grader runs on
+    assert "error" in head or head.get("ok")
+
+
+@pytest.mark.parametrize("body, why", [
+    ("while True:\n        pass", "limit"),
+    ("import os\n    os._exit(3)", "exited with code 3"),
+    ("import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
+    ("print('x' * 10_000_000)", "output limit"),
+    ("import sys\n    sys.stdout.write('y' * 200_000); sys.stdout.flush()", "output limit"),
+])
+def test_a_crash_or_a_hang_is_a_reason_not_a_crash(pkg, body, why):
+    limits = sandbox.Limits(call_s=5, submission_s=30, memory_mb=3072, output_bytes=1 << 16)
+    with sandbox.Worker(pkg, limits) as w:
+        define(w, f"def f():\n    {body}\n")
+        with pytest.raises(sandbox.SandboxError, match=why):
+            sandbox.RemoteFunction(w, "f")()
+
+
+def test_memory_is_limited(pkg):
+    with sandbox.Worker(pkg, LIMITS) as w:
+        define(w, "def f():\n    return torch.ones(2_000_000_000).sum()")
+        with pytest.raises((MemoryError, RuntimeError, sandbox.SandboxError)):
+            sandbox.RemoteFunction(w, "f")()
+
+
+def test_a_huge_or_strange_return_value_stays_data(pkg):
+    with sandbox.Worker(pkg, LIMITS) as w:
+        define(w, "class Evil:\n    def __repr__(self):\n        return 'evil'\n"
+                  "def f():\n    return Evil(), lambda: 1, 10**100")
+        got = sandbox.RemoteFunction(w, "f")()
+        assert isinstance(got[0], sandbox.Opaque) and got[0].text == "evil"
+        assert isinstance(got[1], sandbox.Opaque)
+        assert got[2] == 10**100
