@@ -53,11 +53,12 @@ THREADS_ENV = "GRPO_LAB_THREADS"
 def apply_thread_policy(profile: str) -> int:
     """The CPU thread policy: torch's intra-op threads for this process. Returns the count.
 
-    The tiny model's matrices are too small to share across cores: with 2 threads a step
-    is no faster on an idle 2-core machine, and when another process holds a core the two
-    threads wait on each other and a step takes 10-30x longer (benchmarks/threads.py). So
-    the cpu profile runs on 1 thread; the gpu profile (GPT-2 124M) keeps torch's default.
-    $GRPO_LAB_THREADS=N overrides both."""
+    The tiny model's matrices are too small to share across cores. Measured on 2 cores
+    (benchmarks/threads.py, median step of the stable preset): idle, 1 thread 0.066 s and
+    2 threads 0.077 s; with one core held by another process, 1 thread 0.076 s and 2
+    threads 0.277 s, as the two threads wait on each other. So the cpu profile runs on 1
+    thread, which degrades gracefully under load; the gpu profile (GPT-2 124M) keeps torch's
+    default. $GRPO_LAB_THREADS=N overrides both."""
     env = os.environ.get(THREADS_ENV, "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
