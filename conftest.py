@@ -22,12 +22,55 @@ import os
 
 MAX_WORKERS = 4
 
-# Seconds each file took on one worker (`./course test` on 2 idle cores, one torch thread
-# per worker; per-file sums from benchmarks/suite_times.py). Used only to order the files,
-# longest first; a file not listed counts as DEFAULT_SECONDS. Refresh when a file's time
-# moves a lot:
+# Seconds each file kept one worker busy: per-file sums from benchmarks/suite_times.py of a
+# `./course test` run with 2 workers, one torch thread each, on a 2-core machine that other
+# jobs were loading (so the figures are inflated; only their order is used: longest first).
+# A file not listed counts as DEFAULT_SECONDS. Refresh when a file's time moves a lot:
 #   ./course test --junitxml=/tmp/run.xml && .venv/bin/python benchmarks/suite_times.py /tmp/run.xml
-FILE_SECONDS: dict[str, float] = {}
+FILE_SECONDS: dict[str, float] = {
+    "tests/test_scenarios.py": 334,
+    "tests/test_faults.py": 283,
+    "tests/test_distributed.py": 216,
+    "tests/test_cli.py": 188,
+    "solutions/12_scale_out_and_trl.ipynb": 184,
+    "tests/test_warmstart.py": 177,
+    "labs/12_scale_out_and_trl.ipynb": 152,
+    "solutions/05_break_it.ipynb": 107,
+    "solutions/11_capstone.ipynb": 102,
+    "solutions/06_fix_clamping_and_clipping.ipynb": 94,
+    "labs/06_fix_clamping_and_clipping.ipynb": 89,
+    "tests/test_grade.py": 81,
+    "labs/11_capstone.ipynb": 80,
+    "solutions/04_the_training_loop.ipynb": 78,
+    "tests/test_trainer.py": 72,
+    "labs/08_fix_gradient_accumulation.ipynb": 71,
+    "solutions/08_fix_gradient_accumulation.ipynb": 65,
+    "solutions/07_fix_health_checks_and_recovery.ipynb": 63,
+    "labs/07_fix_health_checks_and_recovery.ipynb": 61,
+    "tests/test_wheel.py": 59,
+    "tests/test_memory.py": 58,
+    "labs/05_break_it.ipynb": 57,
+    "tests/test_bench.py": 51,
+    "tests/test_course_setup.py": 49,
+    "solutions/09_fix_the_kl_formula.ipynb": 43,
+    "labs/09_fix_the_kl_formula.ipynb": 39,
+    "tests/test_layers.py": 31,
+    "solutions/10_fix_safe_sampling.ipynb": 29,
+    "labs/10_fix_safe_sampling.ipynb": 29,
+    "labs/04_the_training_loop.ipynb": 27,
+    "labs/01_gpt2_and_sampling.ipynb": 26,
+    "tests/test_first_pass.py": 25,
+    "labs/02_rewards_and_advantages.ipynb": 23,
+    "solutions/01_gpt2_and_sampling.ipynb": 23,
+    "tests/test_links.py": 22,
+    "solutions/02_rewards_and_advantages.ipynb": 21,
+    "labs/03_the_grpo_objective.ipynb": 20,
+    "tests/test_labs.py": 20,
+    "tests/test_course_lab.py": 19,
+    "labs/00_setup_and_diagnostics.ipynb": 19,
+    "solutions/03_the_grpo_objective.ipynb": 16,
+    "solutions/00_setup_and_diagnostics.ipynb": 14,
+}
 DEFAULT_SECONDS = 5.0
 
 

@@ -6,12 +6,26 @@ from grpo_lab.field import reliability
 from grpo_lab.field.faults import FAULTS, empty_micro_batch_fault, run_fault
 
 
+@pytest.fixture(scope="module")
+def fault_run():
+    """run_fault(name, preset), each pair run once for the module: the recovery test reads
+    the same stable runs as the survival tests (results are read, never changed)."""
+    runs = {}
+
+    def run(name, preset):
+        if (name, preset) not in runs:
+            runs[name, preset] = run_fault(name, preset)
+        return runs[name, preset]
+
+    return run
+
+
 @pytest.mark.parametrize("name", list(FAULTS))
-def test_stable_survives_and_naive_fails(name):
-    stable = run_fault(name, "stable")
+def test_stable_survives_and_naive_fails(name, fault_run):
+    stable = fault_run(name, "stable")
     assert stable.survived, stable.summary()
     assert not stable.checkpoint_nonfinite
-    naive = run_fault(name, "naive")
+    naive = fault_run(name, "naive")
     assert not naive.survived, naive.summary()
 
 
@@ -26,10 +40,10 @@ def test_naive_without_a_fault_runs_clean_for_as_long():
     assert all(m["nonfinite_params"] == 0 for m in trainer.history)
 
 
-def test_recovery_is_visible_in_the_metrics():
-    assert run_fault("nan-params", "stable").rolled_back == 1
-    assert run_fault("nan-grads", "stable").skipped == 1
-    assert run_fault("loss-spike", "stable").skipped == 1
+def test_recovery_is_visible_in_the_metrics(fault_run):
+    assert fault_run("nan-params", "stable").rolled_back == 1
+    assert fault_run("nan-grads", "stable").skipped == 1
+    assert fault_run("loss-spike", "stable").skipped == 1
 
 
 def test_empty_micro_batch_is_refused_by_the_config():

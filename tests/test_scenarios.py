@@ -22,22 +22,36 @@ EXPECTED_TEXT = {  # the real error text the course promises, where there is one
 }
 
 
+@pytest.fixture(scope="module")
+def scenario():
+    """run_scenario(name, fixed), each pair run once for the module: later tests read the
+    broken sides the first tests ran (outcomes are read, never changed)."""
+    outcomes = {}
+
+    def run(name, fixed=False):
+        if (name, fixed) not in outcomes:
+            outcomes[name, fixed] = run_scenario(name, fixed=fixed)
+        return outcomes[name, fixed]
+
+    return run
+
+
 @pytest.mark.parametrize("name", list(CATALOG))
-def test_broken_side_shows_the_symptom(name):
-    outcome = run_scenario(name, fixed=False)
+def test_broken_side_shows_the_symptom(name, scenario):
+    outcome = scenario(name, fixed=False)
     assert outcome.symptom, outcome.evidence
     if name in EXPECTED_TEXT:
         assert EXPECTED_TEXT[name] in outcome.evidence, outcome.evidence
 
 
 @pytest.mark.parametrize("name", list(CATALOG))
-def test_fixed_side_shows_it_gone(name):
-    outcome = run_scenario(name, fixed=True)
+def test_fixed_side_shows_it_gone(name, scenario):
+    outcome = scenario(name, fixed=True)
     assert not outcome.symptom, outcome.evidence
 
 
-def test_static_check_names_both_mistakes():
-    evidence = run_scenario("static-check").evidence
+def test_static_check_names_both_mistakes(scenario):
+    evidence = scenario("static-check").evidence
     assert "F821" in evidence and "delta" in evidence
     assert "UnboundLocalError" in evidence and "NameError" in evidence
 
@@ -56,7 +70,7 @@ def test_cli_lists_and_runs_a_scenario():
 
 
 @pytest.mark.parametrize("name", ["nan-params-sampling-crash", "pad-token-vocab-mismatch"])
-def test_device_scenarios_run_in_a_fresh_process(name):
+def test_device_scenarios_run_in_a_fresh_process(name, scenario):
     """`scenario NAME --device D` runs the scenario in a child process on D (on CUDA the
     broken side is a device-side assert that poisons the process) and reports what the next
     operation on the device did there. On CPU: the same evidence as in this process, and
@@ -66,7 +80,7 @@ def test_device_scenarios_run_in_a_fresh_process(name):
     assert name in DEVICE_SCENARIOS
     broken, fixed = run_on_device(name, False, "cpu"), run_on_device(name, True, "cpu")
     assert broken["symptom"] and not fixed["symptom"], (broken, fixed)
-    assert broken["evidence"] == run_scenario(name).evidence
+    assert broken["evidence"] == scenario(name).evidence
     assert EXPECTED_TEXT[name] in broken["evidence"]
     assert broken["after"] == fixed["after"] == "works"
     assert broken["returncode"] == fixed["returncode"] == 0
