@@ -100,6 +100,9 @@ class LabServer:
                 ["./course", "lab", *self.args], cwd=self.checkout, env=learner_env(self.home),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # Ctrl-C works in a learner's terminal; a test run started in the background
+                # by a non-interactive shell inherits SIGINT ignored, which Python keeps
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             )
         try:
             self._wait_until_up()
