@@ -173,13 +173,13 @@ def _refuse_changes(args, saved: dict) -> None:
              if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None}
     if args.seed is not None:
         given["seed"] = args.seed
-    if args.preset is not None or args.config is not None:
+    if args.config is not None and args.preset is None:
+        raise UsageError("--resume with --config needs the run's --preset too, to compare "
+                         "them with the saved config")
+    if args.preset is not None:
         # the whole config the command describes, as a fresh run would have built it
-        asked = _config_from_args(args).to_dict() if args.preset else {}
+        asked = _config_from_args(args).to_dict()
         given = {**{k: v for k, v in asked.items() if k != "steps"}, **given}
-        if args.config is not None and args.preset is None:
-            raise UsageError("--resume with --config needs the run's --preset too, to compare "
-                             "them with the saved config")
     differ = [
         f"--{name.replace('_', '-')} (saved {saved.get(name)!r}, got {value!r})"
         for name, value in given.items() if name != "extra" and saved.get(name) != value
