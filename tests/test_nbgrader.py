@@ -11,15 +11,12 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pytest
+import nbgrader  # noqa: F401  the test extra has it: a missing nbgrader fails here, not skips
 
 from grpo_lab.course import labs
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["00_setup_and_diagnostics.ipynb", "02_rewards_and_advantages.ipynb"]
-
-nbgrader = pytest.importorskip("nbgrader")
-
 
 def nbgrader_cli(args: list[str], course: Path) -> subprocess.CompletedProcess:
     # nbgrader runs `alembic` (its database migrations) from PATH: this environment's bin
