@@ -41,6 +41,7 @@ from .health import (
 from .models import disable_dropout, frozen_copy, resolve_device
 from .objective import (
     clipped_surrogate,
+    completion_logits,
     entropy_from_logits,
     group_advantages,
     kl_k3,
@@ -109,8 +110,14 @@ class Trainer:
         tokenizer=None,
         reward_fn: Callable = addition_reward,
         out_dir: str | Path | None = None,
+        fast: bool = True,
     ):
+        """`fast=False` turns off the two speedups of fast.py that change float rounding
+        (the fused GELU and each prompt's forward run once per group): the forwards are
+        then the plain ones of objective.py, which a hand-written step computes bit for bit
+        (notebook 11 compares the two)."""
         self.cfg = cfg
+        self.fast = fast
         world_size = distributed.world_from_env().world_size
         if cfg.prompts_per_step % world_size:
             raise ConfigError(
@@ -135,7 +142,9 @@ class Trainer:
                 f"(prompts up to {longest} tokens, {n_positions} positions; got "
                 f"{cfg.max_new_tokens})"
             )
-        self.policy = fuse_gelu(disable_dropout(model.to(self.device))).train()  # fast.py
+        self.policy = disable_dropout(model.to(self.device)).train()
+        if fast:
+            fuse_gelu(self.policy)  # fast.py
         if cfg.gradient_checkpointing:
             # only active in train mode: sampling runs in eval mode, with its KV cache
             self.policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -147,7 +156,8 @@ class Trainer:
         # backward(); generation and no-grad forwards use the bare policy. The G rows of a
         # group share their prompt's forward (fast.py) except under activation
         # checkpointing, which drops the KV cache that needs
-        self.model = CompletionLogits(self.policy, share_prompts=not cfg.gradient_checkpointing)
+        self.model = CompletionLogits(self.policy,
+                                      share_prompts=fast and not cfg.gradient_checkpointing)
         # the field reports' variants, when the config asks for them (naive.py)
         self.surrogate = (
             clipped_surrogate if cfg.clip_term == "clipped_ratio" else naive.constant_clip_surrogate
@@ -210,7 +220,8 @@ class Trainer:
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad(), self._autocast():
-                logits = shared_prompt_logits(
+                forward = shared_prompt_logits if self.fast else completion_logits
+                logits = forward(
                     self.reference, rollout.input_ids, rollout.attention_mask,
                     rollout.completion_length, cfg.temperature, cfg.logit_clamp,
                 )  # (B, C, V)

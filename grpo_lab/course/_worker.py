@@ -1,12 +1,15 @@
 """The grading worker: runs inside the sandbox, never inside the grader.
 
 Started by `sandbox.Worker` as `python -I -c <bootstrap>` in a fresh temporary folder. It
-imports nothing from grpo_lab itself (the exercise's own imports may). It answers framed
+imports nothing from grpo_lab itself at start (the exercise's own imports may, and a
+"drive" request imports the checkers' drivers, step_checks). It answers framed
 requests on a pipe (grader -> worker: pickled; worker -> grader: JSON plus one list of
 plain tensors, loaded by the grader with `torch.load(weights_only=True)`):
 
     ("define", name, prelude, source, forbidden)  run the student's exercise cell
     ("call", name, args, kwargs)                  call the student's function
+    ("drive", name, driver, params)               run a checker's driver on it (a fixed case
+                                                  built here: a model, an optimizer)
     ("backward", grads)                            gradients of the last call's outputs
 
 The grader decides pass or fail; this process only computes values. Whatever it reports
@@ -256,6 +259,21 @@ def main(fd_in: int, fd_out: int) -> None:
                 after = encode([t for t in _tensors((args, kwargs))], tensors)
                 reply(fd_out, {"value": value, "after": after, "reference": trip.hit,
                                "grad_index": index}, tensors)
+            elif kind == "drive":
+                # a trusted driver of the package builds the case (a model, an optimizer)
+                # here, beside the student's function, and returns tensors and numbers
+                _, name, driver, params = request
+                from grpo_lab.course.step_checks import DRIVERS  # only when a check needs it
+
+                trip.forbidden, trip.hit = forbidden[name], None
+                last.clear()
+                sys.setprofile(trip)
+                try:
+                    out = DRIVERS[driver](functions[name], **params)
+                finally:
+                    sys.setprofile(None)
+                tensors = []
+                reply(fd_out, {"value": encode(out, tensors), "reference": trip.hit}, tensors)
             elif kind == "backward":
                 _, grads = request
                 if not last.get("outs"):

@@ -37,8 +37,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import checks, integrity, sandbox
-from .labs import load_manifest, python_source
+from . import integrity, sandbox
+from .labs import find_checker, load_manifest, python_source
 
 MAX_NOTEBOOK_BYTES = 20 << 20
 JOURNAL_VERSION = 1
@@ -130,9 +130,10 @@ def exercise_cell(cells: list[Cell], exercise: dict) -> Cell | None:
     return candidates[-1] if candidates else None
 
 
-def prelude(exercise: dict, source: str, forbidden: set[str]) -> str:
+def prelude(exercise: dict, source: str, forbidden: set[str], provided: bool = True) -> str:
     """The setup imports the student's cell refers to (from the solution notebook), never the
-    exercise's own reference."""
+    exercise's own reference; with `provided`, the functions the cell may call that come
+    from earlier exercises, bound to their references (each exercise is graded alone)."""
     try:
         used = {n.id for n in ast.walk(ast.parse(python_source(source)))
                 if isinstance(n, ast.Name)}
@@ -143,6 +144,10 @@ def prelude(exercise: dict, source: str, forbidden: set[str]) -> str:
         if set(stmt["binds"]) & used and not set(stmt["binds"]) & forbidden and not (
                 set(stmt["names"]) & forbidden):
             lines.append(stmt["source"])
+    for name, reference in (exercise.get("provided") or {}).items() if provided else ():
+        module, ref_name = reference.rsplit(".", 1)
+        if name in used and name not in forbidden and ref_name not in forbidden:
+            lines.append(f"from {module} import {ref_name} as {name}")
     return "\n".join(lines) + "\n"
 
 
@@ -214,7 +219,7 @@ def _grade_exercise(worker: sandbox.Worker, cells: list[Cell], ex: dict, one, no
         return one(name, 0, pts, "failed", f"the cell of {name}() raised {err.get('type')}: "
                    f"{why}{where}" + note)
     remote = sandbox.RemoteFunction(worker, name)
-    checker = getattr(checks, ex["checker"])
+    checker = find_checker(ex["checker"])
     with contextlib.redirect_stdout(io.StringIO()):
         result = checker(remote)
     if remote.reference_called:

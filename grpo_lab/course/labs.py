@@ -30,7 +30,9 @@ from pathlib import Path
 
 import nbformat
 
-from . import checks
+from . import checks, step_checks
+
+CHECKER_MODULES = (checks, step_checks)
 
 MANIFEST = Path(__file__).with_name("exercises.json")
 CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")
@@ -91,6 +93,16 @@ def find_root(root: str | Path | None = None) -> Path:
     )
 
 
+def find_checker(checker: str):
+    """The checker function of this name (`check_<exercise>`), from the modules that hold
+    them; None when there is none."""
+    for module in CHECKER_MODULES:
+        fn = getattr(module, checker, None)
+        if callable(fn):
+            return fn
+    return None
+
+
 def exercises_of(nb) -> list[str]:
     """The exercises a notebook checks, in order: its `check_<name>(` calls that are
     exercise checkers (`sampling.check_token_ids` is not one)."""
@@ -98,7 +110,7 @@ def exercises_of(nb) -> list[str]:
     for cell in nb.cells:
         if cell.cell_type == "code":
             for name in CHECK_CALL.findall(cell.source):
-                if hasattr(checks, f"check_{name}") and name not in names:
+                if find_checker(f"check_{name}") and name not in names:
                     names.append(name)
     return names
 
@@ -118,6 +130,30 @@ def _hint(source: str) -> str:
         if line.strip().lower().startswith("# hint:"):
             return line.strip()[len("# hint:"):].strip()
     return DEFAULT_HINT
+
+
+LOADER = "load_yours"  # workbook.load_yours: learner functions from earlier notebooks
+
+
+def loaded_names(source: str) -> list[tuple[str, str]]:
+    """(bound name, function name) for each `a, b = load_yours("a", "b")` in a cell."""
+    try:
+        tree = ast.parse(python_source(source))
+    except SyntaxError:
+        return []
+    out = []
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        call = node.value
+        if getattr(call.func, "id", None) != LOADER:
+            continue
+        wanted = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        target = node.targets[0]
+        bound = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [target.id] \
+            if isinstance(target, ast.Name) else []
+        out += list(zip(bound, wanted, strict=False))
+    return out
 
 
 def _top_functions(source: str) -> list[str]:
@@ -172,10 +208,16 @@ def exercise_specs(nb) -> list[dict]:
         check_cell = next((c for i, c in cells if i > index and
                            re.search(rf"\bcheck_{name}\(", c.source)), None)
         checker = f"check_{name}"
-        reference = _reference_of(getattr(checks, checker))
+        reference = _reference_of(find_checker(checker))
         module, ref_name = reference.rsplit(".", 1)
         forbidden = sorted({name, checker, ref_name})
         setup = [s for i, c in cells if i < index for s in _setup_imports(c.source)]
+        # names the cell may use besides its imports: functions loaded from earlier
+        # notebooks and this notebook's earlier exercises; the grader binds them to their
+        # references (each is graded on its own)
+        provided = {bound: _reference_of(find_checker(f"check_{fn}"))
+                    for i, c in cells if i < index for bound, fn in loaded_names(c.source)}
+        provided.update({e["function"]: e["reference"] for e in out})
         may_use = sorted({f for s in setup for f in s["full"]
                           if f.rsplit(".", 1)[-1] not in forbidden})
         out.append({
@@ -185,7 +227,7 @@ def exercise_specs(nb) -> list[dict]:
             "points": int(cell.metadata.get("grpo_lab", {}).get("points", 1)),
             "hint": _hint(cell.source), "forbidden": forbidden,
             "tripwires": [[module.replace(".", "/") + ".py", ref_name]],
-            "setup": setup, "may_use": may_use,
+            "setup": setup, "may_use": may_use, "provided": provided,
         })
     return out
 

@@ -473,6 +473,17 @@ class RemoteFunction:
         mapping = dict(zip(carry, bridged, strict=True))
         return _replace(value, mapping)
 
+    def drive(self, driver: str, params: dict):
+        """Run a checker's driver (step_checks.DRIVERS) on the student's function in the
+        worker: the case it builds (a model, an optimizer) never crosses the pipe."""
+        head, tensors = self.worker.request(("drive", self.name, driver, params))
+        if "error" in head:
+            raise _rebuild(head["error"])
+        if head.get("reference"):
+            self.reference_called = str(head["reference"])
+            raise ReferenceCalled(self.reference_called)
+        return decode(head.get("value"), tensors)
+
     def backward(self, grads: list[torch.Tensor]) -> list:
         head, tensors = self.worker.request(("backward", grads))
         if "error" in head:

@@ -1,0 +1,525 @@
+"""Checkers for the learner's trainer (notebook 04 on): functions that take a model, an
+optimizer or a config, and the whole GRPO step.
+
+Each check builds a small fixed case (the shipped tiny GPT-2 on the CPU, 4 prompts x 4
+completions), runs the learner's function and the reference on it, and compares what comes
+out: log-probs, a loss and its gradient, or the parameters after one update. Where they
+differ it runs the reference again with each known mistake put in (a *mutant*) and names
+the one that reproduces the learner's result, in the learner's terms.
+
+The case is built by a *driver* (`DRIVERS`), a function of (the learner's function,
+picklable parameters): in a notebook `drive` calls it here; in the grader the learner's
+function lives in the sandboxed worker and the driver runs there (`RemoteFunction.drive`).
+The fixture's optimizer is plain SGD, so an update is lr x the clipped gradient: two correct
+steps that round differently agree to 1e-6, where AdamW's first step (g / |g|) would blow
+rounding on near-zero gradient entries up to the learning rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable
+
+import torch
+
+from .. import naive
+from ..config import preset
+from ..objective import (
+    clipped_surrogate,
+    completion_logprobs,
+    kl_k3,
+    position_ids_from_mask,
+    token_logprobs,
+    token_weights,
+)
+from ..policy import load_policy
+from ..sampling import encode_prompts
+from ..tasks import ProblemStream
+from . import steps
+from .checks import CheckResult, Mismatch, _expect, _gen, run_check
+
+STEP_TOL = dict(atol=1e-6, rtol=1e-4)
+
+
+# --- the fixture -----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _tiny():
+    model, tokenizer = load_policy("cpu")
+    return model.cpu(), tokenizer
+
+
+def fixture_cfg(seed: int = 0, **overrides):
+    base = dict(seed=seed, prompts_per_step=4, group_size=4, max_new_tokens=5, beta=0.04,
+                learning_rate=0.05, max_grad_norm=1.0, eval_size=8, device="cpu")
+    return preset("stable", **{**base, **overrides})
+
+
+def fixture_run(seed: int = 0, **overrides) -> steps.Run:
+    """A run whose policy has drifted from its reference (so the ratio against pi_old, the
+    ratio against the reference and the KL all differ), with stale gradients left in .grad
+    (a step that does not zero them adds them in), and SGD as its optimizer."""
+    model, tokenizer = _tiny()
+    run = steps.new_run(fixture_cfg(seed, **overrides), model=copy.deepcopy(model),
+                        tokenizer=tokenizer)
+    g = _gen(1000 + seed)
+    with torch.no_grad():
+        for p in run.policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std().clamp(min=1e-3))
+            p.grad = torch.randn(p.shape, generator=g) * 0.05
+    run.optimizer = torch.optim.SGD(run.policy.parameters(), lr=run.cfg.learning_rate)
+    return run
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# --- drivers: run the learner's function on a fixed case ---------------------------------------
+def drive_step(fn, seed: int = 0, **overrides) -> dict:
+    run = fixture_run(seed, **overrides)
+    before = _flat(run.policy)
+    problems = ProblemStream(seed).sample(run.cfg.prompts_per_step)
+    torch.manual_seed(seed)  # the sampler's draws
+    metrics = fn(run, problems, loss_fn=steps.grpo_loss, update_fn=steps.apply_update)
+    return {"update": _flat(run.policy) - before, "metrics": metrics}
+
+
+def drive_update(fn, seed: int = 0, **overrides) -> dict:
+    run = fixture_run(seed, **overrides)
+    before = _flat(run.policy)
+    out = fn(run)
+    return {"update": _flat(run.policy) - before, "out": out}
+
+
+def _batch(seed: int, C: int = 4):
+    """A left-padded batch of prompts of different lengths, each followed by C ids."""
+    _, tokenizer = _tiny()
+    prompts = [p.prompt for p in ProblemStream(seed).sample(6)] + ["7+5=", "99+99="]
+    ids, mask = encode_prompts(tokenizer, prompts, torch.device("cpu"))
+    completion = torch.randint(0, tokenizer.eos_token_id + 1, (len(prompts), C),
+                               generator=_gen(seed))
+    return (torch.cat([ids, completion], 1),
+            torch.cat([mask, torch.ones_like(completion)], 1), C)
+
+
+def drive_logprobs(fn, seed: int = 0, temperature: float = 0.7) -> dict:
+    model = copy.deepcopy(_tiny()[0])
+    ids, mask, C = _batch(seed)
+    out = fn(model, ids, mask, C, temperature)
+    return {"logp": out, "requires_grad": bool(getattr(out, "requires_grad", False))}
+
+
+def _loss_case(seed: int, **overrides):
+    cfg = fixture_cfg(seed, **overrides)
+    g = _gen(seed)
+    B, C = 8, 5
+    old_logp = -torch.rand(B, C, generator=g) * 3
+    logp = (old_logp + torch.randn(B, C, generator=g) * 0.4).requires_grad_()
+    ref_logp = old_logp + torch.randn(B, C, generator=g) * 0.3
+    lengths = torch.randint(1, C + 1, (B,), generator=g)
+    mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    advantages = torch.randn(B, generator=g)
+    return cfg, (logp, old_logp, ref_logp, advantages, mask)
+
+
+def drive_loss(fn, seed: int = 0, **overrides) -> dict:
+    """The loss and its gradient with respect to logp. The advantages come in as a tensor
+    that carries a gradient (as if a graph had computed them): none may flow into them."""
+    cfg, args = _loss_case(seed, **overrides)
+    advantages = args[3].clone().requires_grad_()
+    out = fn(*args[:3], advantages, args[4], cfg)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        return {"bad_return": type(out).__name__}
+    loss = out[0]
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.ndim != 0:
+        return {"loss": loss, "grad": None}
+    grad, adv_grad = torch.autograd.grad(loss, [args[0], advantages], allow_unused=True)
+    return {"loss": loss.detach(), "grad": torch.zeros_like(args[0]) if grad is None else grad,
+            "advantages_get_gradient": adv_grad is not None and bool(adv_grad.abs().sum() > 0)}
+
+
+DRIVERS: dict[str, Callable] = {"step": drive_step, "update": drive_update,
+                                "logprobs": drive_logprobs, "loss": drive_loss}
+
+
+def drive(fn, driver: str, **params) -> dict:
+    """Run `DRIVERS[driver](fn, **params)`: here, or in the grader's worker when `fn` is the
+    learner's function seen from the grader."""
+    remote = getattr(getattr(fn, "__wrapped_student__", fn), "drive", None)
+    if remote is not None:
+        return remote(driver, params)
+    return DRIVERS[driver](fn, **params)
+
+
+# --- mutants: the reference with one known mistake put in --------------------------------------
+@contextlib.contextmanager
+def _patched(module, **names):
+    old = {k: getattr(module, k) for k in names}
+    for k, v in names.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def _step_mutant(mistake: str) -> Callable:
+    """The reference step with `mistake` in it, as a function of (run, problems, ...)."""
+    def step(run, problems, loss_fn, update_fn):
+        if mistake == "no_zero_grad":
+            run.optimizer.zero_grad = lambda *a, **k: None
+            return steps.grpo_step(run, problems, loss_fn, update_fn)
+        if mistake == "old_logp_not_detached":
+            return steps.grpo_step(run, problems, lambda lp, old, ref, *r: loss_fn(lp, lp, ref, *r),
+                                   update_fn)
+        if mistake == "ratio_against_reference":
+            return steps.grpo_step(run, problems, lambda lp, old, ref, *r: loss_fn(lp, ref, ref, *r),
+                                   update_fn)
+        if mistake == "optimizer_step_without_update_fn":
+            def plain(run):
+                run.optimizer.step()
+                return 0.0, 0
+            return steps.grpo_step(run, problems, loss_fn, plain)
+        if mistake == "answers_tiled":
+            reward_fn = run.reward_fn
+            G = run.cfg.group_size
+            run.reward_fn = lambda c, answer, **k: reward_fn(
+                c, answer=[p.answer for p in problems] * G, **k)
+            return steps.grpo_step(run, problems, loss_fn, update_fn)
+        if mistake == "rewards_as_advantages":
+            with _patched(steps, group_advantages=lambda r, *a, **k: r.clone()):
+                return steps.grpo_step(run, problems, loss_fn, update_fn)
+        if mistake == "temperature_ignored":
+            def at_one(model, ids, mask, C, temperature=1.0, *a):
+                return completion_logprobs(model, ids, mask, C, 1.0)
+            with _patched(steps, completion_logprobs=at_one):
+                return steps.grpo_step(run, problems, loss_fn, update_fn)
+        if mistake == "reference_is_policy":
+            policy = run.policy
+
+            def same(model, *a):
+                return completion_logprobs(policy if model is run.reference else model, *a)
+            with _patched(steps, completion_logprobs=same):
+                return steps.grpo_step(run, problems, loss_fn, update_fn)
+        raise KeyError(mistake)
+    return step
+
+
+STEP_MISTAKES = {
+    "no_zero_grad": "your step never clears the gradients: `run.optimizer.zero_grad()` must "
+    "come before `loss.backward()`, or the last step's gradients are added to this one's",
+    "old_logp_not_detached": "pi_old is `logp` itself, not `logp.detach()`: the ratio "
+    "logp - old_logp is then 0 with zero gradient, and only the KL term trains",
+    "ratio_against_reference": "the ratio is taken against the reference model (`ref_logp`) "
+    "instead of pi_old (`logp.detach()`): report 001's mistake; after some drift r = "
+    "exp(logp - ref_logp) leaves the trust region for good",
+    "optimizer_step_without_update_fn": "your step calls `run.optimizer.step()` itself "
+    "instead of `update_fn(run)`, so the update skips gradient clipping (and every later "
+    "fix that lives in update_fn)",
+    "answers_tiled": "the answers are in the wrong order: rows are grouped by prompt, so "
+    "each answer must be repeated G times in a row (`[p.answer for p in problems for _ in "
+    "range(G)]`), not the list repeated G times",
+    "rewards_as_advantages": "the raw rewards are used as advantages: normalise them within "
+    "each group with `group_advantages(rewards, G, ...)`",
+    "temperature_ignored": "the training forward ignores the temperature: log-probs must "
+    "come from the distribution the sampler drew from, `completion_logprobs(..., "
+    "cfg.temperature)`, or the ratio does not start at 1",
+    "reference_is_policy": "the reference log-probs come from the policy, not from "
+    "`run.reference`: the KL term then measures nothing",
+}
+
+
+def _loss_mutant(mistake: str) -> Callable:
+    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+        c = copy.copy(cfg)
+        if mistake == "kl_sign":
+            c.beta = -cfg.beta
+        elif mistake == "kl_swapped":
+            return _with_kl(logp, old_logp, ref_logp, advantages, mask, cfg,
+                            kl_k3(ref_logp, logp))
+        elif mistake == "beta_ignored":
+            c.beta = 0.0
+        elif mistake == "ratio_against_reference":
+            return steps.grpo_loss(logp, ref_logp, ref_logp, advantages, mask, cfg)
+        elif mistake == "constant_clip":
+            with _patched(steps, clipped_surrogate=naive.constant_clip_surrogate):
+                return steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
+        elif mistake == "no_mask":
+            return steps.grpo_loss(logp, old_logp, ref_logp, advantages,
+                                   torch.ones_like(mask), cfg)
+        elif mistake == "loss_type_ignored":
+            c.loss_type = "grpo"
+        elif mistake == "no_clip":
+            c.epsilon_low = c.epsilon_high = 1e9
+        elif mistake == "sign":
+            out, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
+            return -out, stats
+        else:
+            raise KeyError(mistake)
+        return steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, c)
+    return loss
+
+
+def _with_kl(logp, old_logp, ref_logp, advantages, mask, cfg, kl):
+    per_token, _ = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
+                                     cfg.epsilon_high, cfg.log_ratio_clamp)
+    w = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
+    return ((per_token + cfg.beta * kl) * w).sum(), {}
+
+
+LOSS_MISTAKES = {
+    "kl_sign": "the KL term has the wrong sign: the loss *adds* beta x k3 (a penalty to "
+    "minimise), so the gradient pulls the policy back toward the reference",
+    "kl_swapped": "k3's arguments are swapped: `kl_k3(logp, ref_logp)` takes the policy's "
+    "log-probs first (log_r = ref_logp - logp)",
+    "beta_ignored": "the KL term is missing: add `cfg.beta * kl_k3(logp, ref_logp)` per token",
+    "ratio_against_reference": "the ratio is taken against the reference (`ref_logp`) "
+    "instead of pi_old (`old_logp`): report 001's mistake",
+    "constant_clip": "the clipped term is the constant clip range (`eps * A`), report "
+    "001's `clip_ratio * advantage`, not `clip(r, 1 - eps_low, 1 + eps_high) * A`",
+    "no_mask": "padding positions count: weight the tokens with `token_weights(mask, "
+    "cfg.loss_type, cfg.max_new_tokens)`, which is 0 on padding",
+    "loss_type_ignored": "the token weights ignore `cfg.loss_type` (always the grpo "
+    "per-sequence mean): pass it to `token_weights`",
+    "no_clip": "nothing is clipped: the surrogate is -r x A without the trust region",
+    "sign": "the loss has the opposite sign: a loss is minimised, so it is -min(r A, clip A)",
+}
+
+
+def _logprobs_mutant(mistake: str) -> Callable:
+    def fn(model, ids, mask, C, temperature):
+        if mistake == "no_position_ids":
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1:-1]
+            return token_logprobs(logits / temperature, ids[:, -C:])
+        if mistake == "off_by_one":
+            logits = model(input_ids=ids, attention_mask=mask,
+                           position_ids=position_ids_from_mask(mask)).logits[:, -C:]
+            return token_logprobs(logits / temperature, ids[:, -C:])
+        if mistake == "temperature_ignored":
+            return completion_logprobs(model, ids, mask, C, 1.0)
+        raise KeyError(mistake)
+    return fn
+
+
+LOGPROB_MISTAKES = {
+    "no_position_ids": "no position ids: with left padding a row's first real token sits at "
+    "position > 0; pass `position_ids=position_ids_from_mask(attention_mask)`",
+    "off_by_one": "off by one: the logits at position t predict token t + 1, so the C "
+    "completion tokens are predicted by `logits[:, -C - 1:-1]`, not `logits[:, -C:]`",
+    "temperature_ignored": "the temperature is missing: divide the logits by it before the "
+    "log-softmax, as the sampler does",
+}
+
+
+def _update_mutant(mistake: str) -> Callable:
+    def fn(run):
+        params = [p for p in run.policy.parameters() if p.grad is not None]
+        if mistake == "no_clip":
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+            run.optimizer.step()
+            return norm.item(), 0
+        if mistake == "norm_after_clipping":
+            torch.nn.utils.clip_grad_norm_(params, run.cfg.max_grad_norm)
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+            run.optimizer.step()
+            return norm.item(), 0
+        if mistake == "zero_grad_before_step":
+            norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.max_grad_norm)
+            run.optimizer.zero_grad()
+            run.optimizer.step()
+            return norm.item(), 0
+        raise KeyError(mistake)
+    return fn
+
+
+UPDATE_MISTAKES = {
+    "no_clip": "the gradient is not clipped: `torch.nn.utils.clip_grad_norm_(params, "
+    "cfg.max_grad_norm)` before `optimizer.step()`",
+    "norm_after_clipping": "the grad norm is measured after clipping: report the norm "
+    "`clip_grad_norm_` returns (the one before clipping, what TRL logs)",
+    "zero_grad_before_step": "the gradients are cleared before `optimizer.step()`: nothing "
+    "moves",
+}
+
+
+def _which(got: torch.Tensor, mutants: dict[str, Callable], run_mutant: Callable,
+           catalog: dict[str, str]) -> str | None:
+    """The known mistake whose result matches `got`, if one does."""
+    for name, mutant in mutants.items():
+        try:
+            want = run_mutant(mutant)
+        except Exception:  # noqa: BLE001 - a mutant that cannot run on this case matches nothing
+            continue
+        if isinstance(want, torch.Tensor) and want.shape == got.shape and torch.allclose(
+                got.double(), want.double(), **STEP_TOL):
+            return catalog[name]
+    return None
+
+
+def _compare(got, want, what: str, mutants: dict, run_mutant: Callable, catalog: dict) -> None:
+    """`got` must equal `want`; where it does not, name the mistake that gives `got`."""
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and \
+            got.shape == want.shape and torch.allclose(got.double(), want.double(), **STEP_TOL):
+        return
+    if isinstance(got, torch.Tensor) and got.shape == want.shape:
+        named = _which(got, mutants, run_mutant, catalog)
+        if named:
+            raise Mismatch(f"{what} differs from the reference: {named}")
+    _expect(got, want, what, **STEP_TOL)
+
+
+# --- the checkers ------------------------------------------------------------------------------
+def _no_advantage_gradient(out: dict) -> None:
+    if out.get("advantages_get_gradient"):
+        raise Mismatch("advantages not detached: the gradient flows into the advantages. "
+                       "They are constants of the step (computed from the rewards); use "
+                       "`advantages.detach()` in the loss")
+
+
+def check_completion_logprobs(fn: Callable) -> CheckResult:
+    ref = completion_logprobs
+    mutants = {k: _logprobs_mutant(k) for k in LOGPROB_MISTAKES}
+
+    def case(seed, temperature):
+        def run(f):
+            out = drive(f, "logprobs", seed=seed, temperature=temperature)
+            want = drive_logprobs(ref, seed, temperature)["logp"].detach()
+            got = out["logp"]
+            if isinstance(got, torch.Tensor):
+                got = got.detach()
+            _compare(got, want, "the (B, C) log-probs", mutants,
+                     lambda m: drive_logprobs(m, seed, temperature)["logp"].detach(),
+                     LOGPROB_MISTAKES)
+            if not out["requires_grad"]:
+                raise Mismatch("the log-probs carry no gradient: the training forward must "
+                               "not run under torch.no_grad() or .detach() its output")
+        return run
+
+    return run_check("completion_logprobs", fn, ref, [
+        ("left-padded prompts of different lengths, temperature 0.7", case(0, 0.7)),
+        ("another batch, temperature 1.3", case(1, 1.3)),
+    ])
+
+
+def check_reinforce_loss(fn: Callable) -> CheckResult:
+    ref = steps.reinforce_loss
+
+    def case(seed):
+        def run(f):
+            out, want = drive(f, "loss", seed=seed), drive_loss(ref, seed)
+            if "bad_return" in out:
+                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
+            if out["grad"] is None:
+                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
+                               "with respect to logp")
+            _no_advantage_gradient(out)
+            _expect(out["loss"], want["loss"], "the loss", **STEP_TOL)
+            _expect(out["grad"], want["grad"], "the gradient with respect to logp", **STEP_TOL)
+        return run
+
+    return run_check("reinforce_loss", fn, ref, [
+        ("completions of different lengths", case(0)), ("another batch", case(1))])
+
+
+def check_grpo_loss(fn: Callable) -> CheckResult:
+    ref = steps.grpo_loss
+    mutants = {k: _loss_mutant(k) for k in LOSS_MISTAKES}
+
+    def case(seed, **overrides):
+        def run(f):
+            out, want = drive(f, "loss", seed=seed, **overrides), drive_loss(ref, seed, **overrides)
+            if "bad_return" in out:
+                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
+            if out["grad"] is None:
+                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
+                               "with respect to logp")
+            _no_advantage_gradient(out)
+            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
+            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
+
+            def mutant_result(m):
+                r = drive_loss(m, seed, **overrides)
+                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
+            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
+                     LOSS_MISTAKES)
+        return run
+
+    return run_check("grpo_loss", fn, ref, [
+        ("loss_type grpo", case(0)), ("loss_type dr_grpo", case(1, loss_type="dr_grpo")),
+        ("loss_type dapo, beta 0.2", case(2, loss_type="dapo", beta=0.2)),
+        ("asymmetric clip 0.2 / 0.28", case(3, epsilon_high=0.28)),
+    ])
+
+
+def check_apply_update(fn: Callable) -> CheckResult:
+    ref = steps.apply_update
+    mutants = {k: _update_mutant(k) for k in UPDATE_MISTAKES}
+
+    def case(seed, **overrides):
+        def run(f):
+            out, want = drive(f, "update", seed=seed, **overrides), drive_update(ref, seed, **overrides)
+            _compare(out["update"], want["update"], "the parameter update", mutants,
+                     lambda m: drive_update(m, seed, **overrides)["update"], UPDATE_MISTAKES)
+            got = out["out"]
+            if not (isinstance(got, tuple) and len(got) == 2):
+                raise Mismatch(f"return (grad_norm, skipped); got {type(got).__name__}")
+            named = None
+            if isinstance(got[0], (int, float)) and abs(got[0] - want["out"][0]) > 1e-4 * abs(want["out"][0]):
+                named = _which(torch.tensor([float(got[0])]), mutants, lambda m: torch.tensor(
+                    [float(drive_update(m, seed, **overrides)["out"][0])]), UPDATE_MISTAKES)
+            if named:
+                raise Mismatch(f"the grad norm differs: {named}")
+            _expect(float(got[0]) if isinstance(got[0], (int, float)) else got[0],
+                    float(want["out"][0]), "the grad norm")
+            if got[1] != 0:
+                raise Mismatch(f"skipped must be 0 here (no update is skipped); got {got[1]!r}")
+        return run
+
+    return run_check("apply_update", fn, ref, [
+        ("stale gradients of norm ~ 40, clipped to 1", case(0)),
+        ("no clipping configured (max_grad_norm None)", case(1, max_grad_norm=None)),
+    ])
+
+
+def check_grpo_step(fn: Callable) -> CheckResult:
+    ref = steps.grpo_step
+    mutants = {k: _step_mutant(k) for k in STEP_MISTAKES}
+
+    def case(seed, **overrides):
+        def run(f):
+            try:
+                out = drive(f, "step", seed=seed, **overrides)
+            except TypeError as e:
+                if "loss_fn" in str(e) or "update_fn" in str(e) or "argument" in str(e):
+                    raise Mismatch("call it as grpo_step(run, problems, loss_fn=..., "
+                                   f"update_fn=...): {e}") from None
+                raise
+            want = drive_step(ref, seed, **overrides)
+            _compare(out["update"], want["update"], "the parameters after your step", mutants,
+                     lambda m: drive_step(m, seed, **overrides)["update"], STEP_MISTAKES)
+            got = out["metrics"]
+            if not isinstance(got, dict):
+                raise Mismatch(f"return the step's metrics as a dict; got {type(got).__name__}")
+            for key in ("reward", "loss", "kl", "grad_norm"):
+                if key not in got:
+                    raise Mismatch(f"the metrics have no {key!r} (keys: {sorted(got)[:8]})")
+                _expect(float(got[key]), float(want["metrics"][key]), f"metrics[{key!r}]",
+                        atol=1e-5, rtol=1e-4)
+        return run
+
+    return run_check("grpo_step", fn, ref, [
+        ("4 prompts x 4 completions, drifted policy, stale .grad", case(0)),
+        ("temperature 0.7, loss_type dr_grpo", case(1, temperature=0.7, loss_type="dr_grpo")),
+    ])
+
+
+CHECKERS = {"completion_logprobs": check_completion_logprobs,
+            "reinforce_loss": check_reinforce_loss, "grpo_loss": check_grpo_loss,
+            "apply_update": check_apply_update, "grpo_step": check_grpo_step}
+MISTAKES = {"completion_logprobs": (LOGPROB_MISTAKES, _logprobs_mutant),
+            "grpo_loss": (LOSS_MISTAKES, _loss_mutant),
+            "apply_update": (UPDATE_MISTAKES, _update_mutant),
+            "grpo_step": (STEP_MISTAKES, _step_mutant)}

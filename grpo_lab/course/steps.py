@@ -1,0 +1,247 @@
+"""The learner's trainer, reference edition: what notebooks 04 to 11 have the learner write,
+and the small harness their step runs in.
+
+Notebook 04 builds one GRPO step from the learner's own pieces:
+
+    completion_logprobs   (B, T) ids -> (B, C) log-probs of the completion tokens
+    reinforce_loss        the first working stage: REINFORCE, group mean as baseline
+    grpo_loss             clipped surrogate against pi_old + beta * k3 against the reference,
+                          aggregated over tokens as cfg.loss_type says
+    apply_update          grad norm, clipping, optimizer step
+    grpo_step             sample, score, advantages, loss, backward, update, metrics
+
+Every loss has the same signature, `loss_fn(logp, old_logp, ref_logp, advantages,
+completion_mask, cfg) -> (loss, stats)`, and the step takes the loss and the update as
+arguments: a later notebook hardens the trainer by passing a better function, and the rest
+of the learner's step stays theirs. The reference versions here are what a notebook runs
+where an exercise is not implemented yet; they compute what `Trainer.step()` computes (at
+mu = 1, one micro-batch), which notebook 11 checks to 1e-5.
+
+`Run` holds what a step works on; `new_run` builds it as `Trainer` does (same seed, same
+model, same prompt stream), and `train` drives any step function with a progress bar,
+held-out evaluation and a callback, writing the history `plots.LivePlot` reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..config import GRPOConfig
+from ..fast import fused_adamw
+from ..health import Snapshot
+from ..models import disable_dropout, frozen_copy, resolve_device
+from ..objective import (
+    clipped_surrogate,
+    completion_logprobs,
+    group_advantages,
+    kl_k3,
+    masked_mean,
+    token_weights,
+)
+from ..policy import load_policy
+from ..sampling import greedy_accuracy, sample_group
+from ..tasks import Problem, ProblemStream, addition_reward, eval_problems
+from ..trainer import SPIKE_WINDOW
+
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class Run:
+    """What the learner's step works on. B = prompts_per_step x group_size rows."""
+
+    cfg: GRPOConfig
+    policy: torch.nn.Module  # trained; it samples, so it is pi_old at the start of a step
+    reference: torch.nn.Module  # the starting policy, frozen: the KL term's anchor
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    reward_fn: Callable = addition_reward  # TRL's signature: (completions, answer=..., **kw)
+    stream: ProblemStream | None = None  # training prompts, drawn like Trainer's
+    eval_problems: list[Problem] = field(default_factory=list)  # the fixed held-out set
+    step_count: int = 0
+    # what the hardening notebooks keep between steps
+    recent_grad_norms: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
+    snapshot: Snapshot | None = None  # the last healthy parameters and optimizer state (07)
+    history: list[dict] = field(default_factory=list)
+
+
+def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
+            tokenizer=None) -> Run:
+    """A fresh run: the profile's policy (or `model`), its frozen copy as the reference,
+    AdamW, and the prompt stream, seeded exactly as `Trainer(cfg)` seeds them."""
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if model is None:
+        model, tokenizer = load_policy(cfg.profile, cfg.model_path)
+    elif tokenizer is None:
+        raise ValueError("pass the tokenizer together with the model")
+    policy = disable_dropout(model.to(resolve_device(cfg.device))).train()
+    optimizer = fused_adamw(policy.parameters(), resolve_device(cfg.device),
+                            lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return Run(cfg=cfg, policy=policy, reference=frozen_copy(policy), optimizer=optimizer,
+               tokenizer=tokenizer, reward_fn=reward_fn, stream=ProblemStream(cfg.seed),
+               eval_problems=eval_problems(cfg.eval_size))
+
+
+# --- the pieces of one step (notebook 04) --------------------------------------------------
+def reinforce_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+    """REINFORCE with the group mean as baseline: the policy gradient, nothing else.
+
+    logp (B, C) log-probs of the sampled tokens (with grad); advantages (B,);
+    completion_mask (B, C) 1 on completion tokens. old_logp, ref_logp, cfg: unused (the
+    signature every loss of the learner's trainer shares).
+    returns (scalar loss, {}): -1/B sum_i A_i * mean_t logp_it over each completion's tokens
+    """
+    m = completion_mask.float()
+    seq_logp = (logp * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # (B,)
+    return -(advantages.detach() * seq_logp).mean(), {}
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+    """The GRPO loss of a batch (DeepSeekMath; TRL), from the pieces of notebook 03.
+
+    logp (B, C) now, with grad; old_logp (B, C) pi_old, detached; ref_logp (B, C) the
+    frozen reference; advantages (B,); completion_mask (B, C).
+    returns (scalar loss, stats): loss = sum_it w_it (-min(r A, clip(r) A) + beta * k3_it),
+    w = token_weights(mask, cfg.loss_type); stats: 'kl' and 'clip_ratio' (token means)
+    """
+    advantages = advantages.detach()  # constants of the step: the loss must not move them
+    per_token, clipped = clipped_surrogate(logp, old_logp, advantages, cfg.epsilon_low,
+                                           cfg.epsilon_high, cfg.log_ratio_clamp)  # (B, C)
+    kl = kl_k3(logp, ref_logp)  # (B, C)
+    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C)
+    loss = ((per_token + cfg.beta * kl) * weights).sum()
+    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
+                  "clip_ratio": masked_mean(clipped.float(), completion_mask).item()}
+
+
+def apply_update(run: Run) -> tuple[float, int]:
+    """The update after backward: the global grad norm (before clipping), clipping to
+    cfg.max_grad_norm when it is set, the optimizer step. Returns (grad_norm, skipped=0)."""
+    params = [p for p in run.policy.parameters() if p.grad is not None]
+    max_norm = run.cfg.max_grad_norm if run.cfg.max_grad_norm is not None else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    run.optimizer.step()
+    return grad_norm, 0
+
+
+def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
+              update_fn: Callable = apply_update) -> dict:
+    """One GRPO step at mu = 1: sample, score, advantages, loss, backward, update, metrics.
+    `problems`: the step's prompts_per_step problems; `loss_fn`: reinforce_loss, grpo_loss
+    or a later notebook's; `update_fn`: what runs after backward. Returns the metrics."""
+    cfg = run.cfg
+    G = cfg.group_size
+    rollout = sample_group(run.policy, run.tokenizer, [p.prompt for p in problems], G,
+                           cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    answers = [p.answer for p in problems for _ in range(G)]  # rows are grouped by prompt
+    rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
+                                         truncated=rollout.truncated.tolist()),
+                           dtype=torch.float32)  # (B,)
+    advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)  # (B,)
+    ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
+    mask = rollout.completion_mask  # (B, C)
+    with torch.no_grad():
+        ref_logp = completion_logprobs(run.reference, ids, attention, C, cfg.temperature)
+    run.optimizer.zero_grad(set_to_none=True)
+    logp = completion_logprobs(run.policy, ids, attention, C, cfg.temperature)  # (B, C)
+    # pi_old is the policy that sampled, i.e. this forward, detached: the ratio starts at 1
+    loss, stats = loss_fn(logp, logp.detach(), ref_logp, advantages, mask, cfg)
+    loss.backward()
+    grad_norm, skipped = update_fn(run)
+    run.step_count += 1
+    groups = rewards.view(-1, G)
+    return {"step": run.step_count, "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
+            "loss": loss.item(), "kl": stats.get("kl", 0.0),
+            "clip_ratio/region_mean": stats.get("clip_ratio", 0.0), "grad_norm": grad_norm,
+            "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped}
+
+
+# --- the harness -----------------------------------------------------------------------------
+def evaluate(run: Run) -> float:
+    """Greedy accuracy on the run's held-out problems (as `Trainer.evaluate`)."""
+    return greedy_accuracy(run.policy, run.tokenizer, run.eval_problems, run.cfg.max_new_tokens)
+
+
+def _exercise_names() -> set[str]:
+    manifest = json.loads(Path(__file__).with_name("exercises.json").read_text())
+    return {e["function"] for nb in manifest["notebooks"].values() for e in nb["exercises"]}
+
+
+def whose(fn) -> str:
+    """'grpo_loss (yours)', 'grpo_loss (yours, notebook 04)' or 'grpo_loss (reference)'."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    module = getattr(fn, "__module__", None) or ""
+    if module.startswith("grpo_lab"):
+        return f"{name} (reference)"
+    if module.startswith("yours_"):
+        return f"{name} (yours, notebook {module[6:8]})"
+    return f"{name} (yours)"
+
+
+def describe_step(step_fn: Callable) -> str:
+    """Which functions a step runs, and whose they are: the step, the functions passed to
+    it, and the exercise functions its code calls by name."""
+    fn, bound = (step_fn.func, step_fn.keywords) if isinstance(step_fn, partial) else (step_fn, {})
+    parts = [whose(fn)]
+    try:
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                    if p.default is not inspect.Parameter.empty and callable(p.default)}
+    except (TypeError, ValueError):
+        defaults = {}
+    parts += [f"{k}={whose(v)}" for k, v in {**defaults, **bound}.items() if callable(v)]
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    exercises = _exercise_names()
+    called = [scope[n] for n in (code.co_names if code else ()) if n in exercises and callable(scope.get(n))]
+    if called:
+        parts.append("calling " + ", ".join(whose(f) for f in called))
+    return "; ".join(parts)
+
+
+def train(run: Run, step_fn: Callable, steps: int | None = None,
+          eval_every: int | None = None, progress: bool = True, callback=None) -> list[dict]:
+    """Call `step_fn(run, problems)` until `steps` (default cfg.steps) steps are done, on
+    prompts drawn like `Trainer`'s; greedy accuracy at step 0, every `eval_every` (default
+    cfg.eval_every) steps and at the end. Appends each step's metrics to run.history (with
+    'step_time' and, where evaluated, 'eval/accuracy') and returns it."""
+    from tqdm.auto import tqdm
+
+    cfg = run.cfg
+    total = cfg.steps if steps is None else steps
+    every = cfg.eval_every if eval_every is None else eval_every
+    print(f"training: {describe_step(step_fn)}, {total - run.step_count} steps")
+    if run.step_count == 0 and not run.history:
+        run.history.append({"step": 0, "eval/accuracy": evaluate(run)})
+    bar = tqdm(total=total, initial=run.step_count, disable=not progress, desc="your GRPO",
+               unit="step", dynamic_ncols=True)
+    try:
+        while run.step_count < total:
+            t0 = time.perf_counter()
+            m = step_fn(run, run.stream.sample(cfg.prompts_per_step))
+            if run.step_count == total or (every > 0 and run.step_count % every == 0):
+                m["eval/accuracy"] = evaluate(run)
+            m["step_time"] = time.perf_counter() - t0
+            run.history.append(m)
+            bar.update(1)
+            postfix = {"reward": f"{m['reward']:.2f}", "grad_norm": f"{m['grad_norm']:.3g}"}
+            if "eval/accuracy" in m:
+                postfix["acc"] = f"{m['eval/accuracy']:.2f}"
+            bar.set_postfix(postfix)
+            if callback is not None:
+                callback(m)
+    finally:
+        bar.close()
+    return run.history

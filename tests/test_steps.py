@@ -1,0 +1,167 @@
+"""The learner's trainer: the reference step computes what Trainer computes, every known
+mistake is caught and named by its checker, `load_yours` hands over the learner's functions,
+and the grader checks whole steps inside its sandbox."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import preset
+from grpo_lab.course import step_checks, steps
+from grpo_lab.course.workbook import load_yours
+from grpo_lab.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_reference_step_is_the_trainer_step_bit_for_bit():
+    """Same seed, same batch: one update of the reference step equals Trainer(fast=False)'s,
+    and so do eight steps' metrics (the Trainer's fast path only changes rounding)."""
+    cfg = preset("stable", steps=8, eval_every=4, eval_size=32)
+    trainer = Trainer(cfg, fast=False)
+    first = trainer.step()
+    after_one = _params(trainer.policy)
+    history = trainer.train(progress=False)
+    run = steps.new_run(cfg)
+    step = partial(steps.grpo_step, loss_fn=steps.grpo_loss)
+    mine = step(run, run.stream.sample(cfg.prompts_per_step))
+    assert (after_one - _params(run.policy)).abs().max().item() <= 1e-5
+    for key in ("reward", "loss", "kl", "grad_norm", "completions/mean_length"):
+        assert abs(first[key] - mine[key]) <= 1e-6, key
+    run.history.append(mine)  # the eval at step 0 is the Trainer's first history entry too
+    ours = steps.train(run, step, progress=False)
+    theirs = {m["step"]: m for m in history}
+    compared = 0
+    for m in ours:
+        if m["step"] in theirs:
+            for key in ("reward", "loss", "kl", "grad_norm", "eval/accuracy"):
+                if key in m and key in theirs[m["step"]]:
+                    assert abs(m[key] - theirs[m["step"]][key]) <= 1e-6, (m["step"], key)
+                    compared += 1
+    assert compared >= 4 * 8
+    assert (_params(trainer.policy) - _params(run.policy)).abs().max().item() == 0.0
+
+
+def test_the_fast_trainer_differs_only_by_rounding():
+    """The fast path's gradients equal the plain path's to float rounding; AdamW's first
+    step, lr * g / (|g| + eps), can still turn that rounding on near-zero gradient entries
+    into a parameter difference of up to 2 lr: why notebook 11 compares with fast=False."""
+    cfg = preset("stable", steps=1, eval_size=8)
+    grads = []
+    for fast in (True, False):
+        trainer = Trainer(cfg, fast=fast)
+        trainer.optimizer.zero_grad()
+        trainer.backward(trainer.make_batch())
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
+    assert 0 < (grads[0] - grads[1]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("exercise", sorted(step_checks.CHECKERS))
+def test_references_pass_their_checks(exercise):
+    reference = step_checks.completion_logprobs if exercise == "completion_logprobs" \
+        else getattr(steps, exercise)
+    result = step_checks.CHECKERS[exercise](reference)
+    assert result.passed, result.reason
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("exercise", sorted(step_checks.CHECKERS))
+def test_not_implemented_is_said(exercise):
+    assert step_checks.CHECKERS[exercise](_stub).status == "not implemented"
+
+
+MISTAKE_CASES = [(exercise, mistake) for exercise, (catalog, _) in step_checks.MISTAKES.items()
+                 for mistake in catalog]
+
+
+@pytest.mark.parametrize(("exercise", "mistake"), MISTAKE_CASES)
+def test_each_known_mistake_is_caught_and_named(exercise, mistake):
+    catalog, make = step_checks.MISTAKES[exercise]
+    result = step_checks.CHECKERS[exercise](make(mistake))
+    assert result.status == "failed"
+    assert catalog[mistake] in result.reason, result.reason
+
+
+def test_advantages_that_carry_a_gradient_are_named():
+    from grpo_lab.objective import clipped_surrogate, kl_k3, token_weights
+
+    def leaky(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+        per_token, _ = clipped_surrogate(logp, old_logp, advantages, cfg.epsilon_low,
+                                         cfg.epsilon_high, cfg.log_ratio_clamp)
+        w = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
+        return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * w).sum(), {}
+
+    result = step_checks.check_grpo_loss(leaky)
+    assert result.status == "failed" and "advantages not detached" in result.reason
+
+
+def test_a_step_that_ignores_update_fn_signature_is_told_how_to_call_it():
+    def step(run, problems):
+        return steps.grpo_step(run, problems, steps.grpo_loss)
+
+    result = step_checks.check_grpo_step(step)
+    assert result.status == "failed" and "grpo_step(run, problems, loss_fn=" in result.reason
+
+
+def test_load_yours_reads_the_learners_notebooks(capsys):
+    fn = load_yours("group_advantages", folder=ROOT / "solutions")
+    assert fn.__module__ == "yours_02_rewards_and_advantages"
+    assert "✅ group_advantages" in capsys.readouterr().out
+    step, loss = load_yours("grpo_step", "grpo_loss", folder=ROOT / "solutions", quiet=True)
+    assert step.__module__.startswith("yours_04") and loss.__module__.startswith("yours_04")
+    # its step calls the 04 pieces it was written with, from the same reconstruction
+    assert step.__globals__["completion_logprobs"].__module__.startswith("yours_04")
+    assert "yours" in steps.describe_step(partial(step, loss_fn=loss))
+
+
+def test_load_yours_falls_back_to_the_reference_and_says_why(tmp_path, capsys):
+    fn = load_yours("group_advantages", folder=ROOT / "labs")
+    assert fn.__module__ == "grpo_lab.objective"
+    assert "not implemented yet" in capsys.readouterr().out
+    nb = json.loads((ROOT / "solutions" / "02_rewards_and_advantages.ipynb").read_text())
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "def group_advantages" in src:
+            cell["source"] = src.replace("return ", "return 2 * ", 1)
+    (tmp_path / "02_rewards_and_advantages.ipynb").write_text(json.dumps(nb))
+    fn = load_yours("group_advantages", folder=tmp_path)
+    out = capsys.readouterr().out
+    assert fn.__module__ == "grpo_lab.objective" and "fails its check" in out
+    load_yours("kl_k3", folder=tmp_path / "nowhere")
+    assert "is not in" in capsys.readouterr().out
+
+
+def test_the_grader_checks_whole_steps_in_its_sandbox(tmp_path):
+    from grpo_lab.course import grade
+
+    good = tmp_path / "good" / "04_the_training_loop.ipynb"
+    bad = tmp_path / "bad" / "04_the_training_loop.ipynb"
+    for p in (good, bad):
+        p.parent.mkdir()
+        shutil.copy(ROOT / "solutions" / p.name, p)
+    nb = json.loads(bad.read_text())
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if "def grpo_step" in src:
+            cell["source"] = src.replace("    run.optimizer.zero_grad(set_to_none=True)\n", "")
+    bad.write_text(json.dumps(nb))
+    out = tmp_path / "grades.json"
+    grade.main([str(good), str(bad)], json_out=str(out), csv_out=None,
+               journal=str(tmp_path / "j.jsonl"))
+    by = {(r["student"], r["exercise"]): r for r in json.loads(out.read_text())}
+    assert all(r["points"] == r["max_points"] for (s, _), r in by.items() if s == "good")
+    assert by[("bad", "grpo_step")]["points"] == 0
+    assert "never clears the gradients" in by[("bad", "grpo_step")]["reason"]
