@@ -89,6 +89,31 @@ def build_parser() -> Parser:
         if f.name not in NOT_FLAGS:
             _field_flag(train, f)
 
+    yours = sub.add_parser(
+        "yours", help="train with YOUR step and loss, read from your notebooks (notebooks "
+                      "04 on); a crash prints the error and a diagnosis, and exits 1")
+    yours.add_argument("--preset", choices=sorted(PRESETS), default="stable",
+                       help="the config your step reads (default stable)")
+    yours.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
+    yours.add_argument("--seed", type=int, default=None, help="run seed (default 0)")
+    yours.add_argument("--step", default="grpo_step",
+                       help="your step function: an exercise name (default grpo_step)")
+    yours.add_argument("--loss", default="grpo_loss",
+                       help="the loss your step calls: an exercise name such as grpo_loss, "
+                            "reinforce_loss, reported_loss (default grpo_loss)")
+    yours.add_argument("--update", default=None,
+                       help="the update your step calls after backward: an exercise name "
+                            "(default: your step's own default)")
+    yours.add_argument("--notebooks", type=Path, default=Path("."),
+                       help="the folder holding your notebooks (default: the current one)")
+    yours.add_argument("--out", type=Path, required=True, help="output directory")
+    yours.add_argument("--config", type=Path, default=None,
+                       help="JSON file of config fields applied on top of the preset")
+    yours.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name not in NOT_FLAGS:
+            _field_flag(yours, f)
+
     scen = sub.add_parser("scenario", help="reproduce a field failure (or show its fix)")
     scen.add_argument("name", nargs="?", help="scenario name (see --list)")
     scen.add_argument("--list", action="store_true", help="list the scenarios")
@@ -269,6 +294,48 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_yours(args) -> int:
+    """Your trainer, outside the notebook: the functions come from your notebook files
+    (workbook.load_yours: yours where they pass their checks, else the references)."""
+    cfg = _config_from_args(args)
+    if (args.out / METRICS).exists():
+        raise UsageError(f"--out {args.out} already holds a run; pick a new --out")
+    if not args.notebooks.is_dir():
+        raise UsageError(f"--notebooks {args.notebooks}: not a folder")
+    from functools import partial
+
+    from .course.plots import plot_run
+    from .course.steps import diagnosis, new_run, train
+    from .course.workbook import exercise_index, load_yours
+
+    known = exercise_index()
+    for flag, name in (("--step", args.step), ("--loss", args.loss), ("--update", args.update)):
+        if name is not None and name not in known:
+            raise UsageError(f"{flag} {name!r} is not an exercise of the course")
+    step = load_yours(args.step, folder=args.notebooks)
+    kwargs = {"loss_fn": load_yours(args.loss, folder=args.notebooks)}
+    if args.update is not None:
+        kwargs["update_fn"] = load_yours(args.update, folder=args.notebooks)
+    run = new_run(cfg)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    plot_path = args.out / "metrics.png"
+    try:
+        train(run, partial(step, **kwargs), progress=not args.no_progress,
+              metrics_path=args.out / METRICS)
+    except Exception as e:
+        print(f"\nerror at step {run.step_count + 1}: {type(e).__name__}: {e}", file=sys.stderr)
+        print("diagnosis:\n  " + diagnosis(run).replace("\n", "\n  "), file=sys.stderr)
+        plot_run(run.history, plot_path, title=f"your step, {args.preset} (crashed)")
+        print(f"metrics: {args.out / METRICS}  plot: {plot_path}", file=sys.stderr)
+        return 1
+    plot_run(run.history, plot_path, title=f"your step, {args.preset}")
+    evals = [m["eval/accuracy"] for m in run.history if "eval/accuracy" in m]
+    print(f"[grpo_lab] done: {run.step_count} steps, eval/accuracy {evals[0]:.3f} -> "
+          f"{evals[-1]:.3f}; metrics: {args.out / METRICS}  plot: {plot_path}")
+    return 0
+
+
 def cmd_scenario(args) -> int:
     """Exit 0 when the scenario did what it promises: the symptom without --fixed, no
     symptom with it; 1 otherwise."""
@@ -340,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "scenario":
             return cmd_scenario(args)
+        if args.command == "yours":
+            return cmd_yours(args)
         if args.command == "grade":
             for flag, value, least in (("--cell-timeout", args.cell_timeout, 1),
                                        ("--submission-timeout", args.submission_timeout, 1),

@@ -503,9 +503,12 @@ def check_grpo_step(fn: Callable) -> CheckResult:
             got = out["metrics"]
             if not isinstance(got, dict):
                 raise Mismatch(f"return the step's metrics as a dict; got {type(got).__name__}")
-            for key in ("reward", "loss", "kl", "grad_norm"):
+            for key in ("reward", "loss", "kl", "grad_norm", "clip_ratio/region_mean"):
                 if key not in got:
-                    raise Mismatch(f"the metrics have no {key!r} (keys: {sorted(got)[:8]})")
+                    from_loss = " (put every entry of the loss's stats in the metrics)" \
+                        if key in ("kl", "clip_ratio/region_mean") else ""
+                    raise Mismatch(f"the metrics have no {key!r}{from_loss} (keys: "
+                                   f"{sorted(got)[:8]})")
                 _expect(float(got[key]), float(want["metrics"][key]), f"metrics[{key!r}]",
                         atol=1e-5, rtol=1e-4)
         return run
@@ -516,10 +519,77 @@ def check_grpo_step(fn: Callable) -> CheckResult:
     ])
 
 
+def _report_variant(logp, base, ref_logp, advantages, mask, cfg, summed=True, constant=True):
+    """Report 001's loss with its three choices as switches: the ratio against `base`,
+    summed over the completion or per token, and the constant or the clipped-ratio term."""
+    ratio_logp, ratio_base = (naive.sequence_log_ratio_inputs(logp, base, mask) if summed
+                              else (logp, base))
+    surrogate = naive.constant_clip_surrogate if constant else clipped_surrogate
+    per_token, _ = surrogate(ratio_logp, ratio_base, advantages.detach(), cfg.epsilon_low,
+                             cfg.epsilon_high, None)
+    w = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
+    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * w).sum(), {}
+
+
+def _reported_mutant(mistake: str) -> Callable:
+    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+        if mistake == "ratio_against_old":
+            return _report_variant(logp, old_logp, ref_logp, advantages, mask, cfg)
+        if mistake == "per_token_ratio":
+            return _report_variant(logp, ref_logp, ref_logp, advantages, mask, cfg, summed=False)
+        if mistake == "clipped_ratio":
+            return _report_variant(logp, ref_logp, ref_logp, advantages, mask, cfg,
+                                   constant=False)
+        raise KeyError(mistake)
+    return loss
+
+
+REPORTED_MISTAKES = {
+    "ratio_against_old": "the ratio is taken against pi_old (`old_logp`): that is the fix, "
+    "not the report; report 001 computes `exp(log_prob_current - log_prob_ref)`, against "
+    "the reference (`ref_logp`)",
+    "per_token_ratio": "the log-ratio is per token: the course's reading of report 001 sums "
+    "it over each completion's tokens (mask them) before `exp`, broadcast to the row",
+    "clipped_ratio": "the clipped term clips the ratio: report 001's `clip_ratio * "
+    "advantage` is the constant clip range times A, -min(r A, eps_low A)",
+}
+
+
+def check_reported_loss(fn: Callable) -> CheckResult:
+    ref = steps.reported_loss
+    mutants = {k: _reported_mutant(k) for k in REPORTED_MISTAKES}
+
+    def case(seed, **overrides):
+        def run(f):
+            out, want = drive(f, "loss", seed=seed, **overrides), drive_loss(ref, seed, **overrides)
+            if "bad_return" in out:
+                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
+            if out["grad"] is None:
+                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
+                               "with respect to logp")
+            _no_advantage_gradient(out)
+            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
+            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
+
+            def mutant_result(m):
+                r = drive_loss(m, seed, **overrides)
+                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
+            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
+                     REPORTED_MISTAKES)
+        return run
+
+    return run_check("reported_loss", fn, ref, [
+        ("the reports' config (beta 0.05)", case(0, beta=0.05)),
+        ("another batch, beta 0", case(1, beta=0.0)),
+    ])
+
+
 CHECKERS = {"completion_logprobs": check_completion_logprobs,
             "reinforce_loss": check_reinforce_loss, "grpo_loss": check_grpo_loss,
-            "apply_update": check_apply_update, "grpo_step": check_grpo_step}
+            "apply_update": check_apply_update, "grpo_step": check_grpo_step,
+            "reported_loss": check_reported_loss}
 MISTAKES = {"completion_logprobs": (LOGPROB_MISTAKES, _logprobs_mutant),
             "grpo_loss": (LOSS_MISTAKES, _loss_mutant),
             "apply_update": (UPDATE_MISTAKES, _update_mutant),
-            "grpo_step": (STEP_MISTAKES, _step_mutant)}
+            "grpo_step": (STEP_MISTAKES, _step_mutant),
+            "reported_loss": (REPORTED_MISTAKES, _reported_mutant)}

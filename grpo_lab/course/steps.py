@@ -39,7 +39,7 @@ import torch
 
 from ..config import GRPOConfig
 from ..fast import fused_adamw
-from ..health import Snapshot
+from ..health import Snapshot, all_finite, first_nonfinite_param, nonfinite_params
 from ..models import disable_dropout, frozen_copy, resolve_device
 from ..objective import (
     clipped_surrogate,
@@ -52,7 +52,7 @@ from ..objective import (
 from ..policy import load_policy
 from ..sampling import greedy_accuracy, sample_group
 from ..tasks import Problem, ProblemStream, addition_reward, eval_problems
-from ..trainer import SPIKE_WINDOW
+from ..trainer import SPIKE_WINDOW, to_json_line
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -123,7 +123,23 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
     weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
     return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
-                  "clip_ratio": masked_mean(clipped.float(), completion_mask).item()}
+                  "clip_ratio/region_mean": masked_mean(clipped.float(), completion_mask).item()}
+
+
+def reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+    """Report 001's policy loss, as the course reads it (notebook 05), same signature:
+    the log-ratio against the *reference*, summed over each completion, `exp` without a
+    clamp, and the clipped term the constant clip range: -min(r A, eps_low A); plus
+    beta * k3. stats: 'kl' and 'log_ratio/max_abs' (the largest |summed log-ratio|)."""
+    m = completion_mask.float()
+    log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)  # (B, 1), against the reference
+    adv = advantages.detach().unsqueeze(-1)  # (B, 1)
+    per_token = -torch.min(torch.exp(log_ratio) * adv, cfg.epsilon_low * adv)  # (B, C)
+    kl = kl_k3(logp, ref_logp)  # (B, C)
+    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
+    loss = ((per_token + cfg.beta * kl) * weights).sum()
+    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
+                  "log_ratio/max_abs": log_ratio.detach().abs().max().item()}
 
 
 def apply_update(run: Run) -> tuple[float, int]:
@@ -165,9 +181,9 @@ def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     return {"step": run.step_count, "reward": rewards.mean().item(),
             "reward_std": rewards.std().item(),
             "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
-            "loss": loss.item(), "kl": stats.get("kl", 0.0),
-            "clip_ratio/region_mean": stats.get("clip_ratio", 0.0), "grad_norm": grad_norm,
-            "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped}
+            "loss": loss.item(), "kl": 0.0, "grad_norm": grad_norm,
+            "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped,
+            **stats}
 
 
 # --- the harness -----------------------------------------------------------------------------
@@ -212,29 +228,42 @@ def describe_step(step_fn: Callable) -> str:
 
 
 def train(run: Run, step_fn: Callable, steps: int | None = None,
-          eval_every: int | None = None, progress: bool = True, callback=None) -> list[dict]:
+          eval_every: int | None = None, progress: bool = True, callback=None,
+          metrics_path: str | Path | None = None) -> list[dict]:
     """Call `step_fn(run, problems)` until `steps` (default cfg.steps) steps are done, on
     prompts drawn like `Trainer`'s; greedy accuracy at step 0, every `eval_every` (default
     cfg.eval_every) steps and at the end. Appends each step's metrics to run.history (with
-    'step_time' and, where evaluated, 'eval/accuracy') and returns it."""
+    'step_time', 'nonfinite_params' (NaN/inf parameter entries after the step: the harness
+    watches, it does not act) and, where evaluated, 'eval/accuracy') and returns it; with
+    `metrics_path`, also writes each row there as a JSON line as soon as it is done."""
     from tqdm.auto import tqdm
 
     cfg = run.cfg
     total = cfg.steps if steps is None else steps
     every = cfg.eval_every if eval_every is None else eval_every
     print(f"training: {describe_step(step_fn)}, {total - run.step_count} steps")
+    sink = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
+
+    def record(m: dict) -> None:
+        run.history.append(m)
+        if sink is not None:
+            sink.write(to_json_line(m))
+            sink.flush()
+
     if run.step_count == 0 and not run.history:
-        run.history.append({"step": 0, "eval/accuracy": evaluate(run)})
+        record({"step": 0, "eval/accuracy": evaluate(run), "nonfinite_params": 0})
     bar = tqdm(total=total, initial=run.step_count, disable=not progress, desc="your GRPO",
                unit="step", dynamic_ncols=True)
     try:
         while run.step_count < total:
             t0 = time.perf_counter()
             m = step_fn(run, run.stream.sample(cfg.prompts_per_step))
-            if run.step_count == total or (every > 0 and run.step_count % every == 0):
+            m["nonfinite_params"] = 0 if all_finite(run.policy) else nonfinite_params(run.policy)
+            if m["nonfinite_params"] == 0 and (
+                    run.step_count == total or (every > 0 and run.step_count % every == 0)):
                 m["eval/accuracy"] = evaluate(run)
             m["step_time"] = time.perf_counter() - t0
-            run.history.append(m)
+            record(m)
             bar.update(1)
             postfix = {"reward": f"{m['reward']:.2f}", "grad_norm": f"{m['grad_norm']:.3g}"}
             if "eval/accuracy" in m:
@@ -244,4 +273,20 @@ def train(run: Run, step_fn: Callable, steps: int | None = None,
                 callback(m)
     finally:
         bar.close()
+        if sink is not None:
+            sink.close()
     return run.history
+
+
+def diagnosis(run: Run) -> str:
+    """After a crash: the last step whose parameters were all finite, the first non-finite
+    parameter, and the grad norms leading up to it."""
+    rows = [m for m in run.history if "grad_norm" in m]
+    healthy = [m["step"] for m in run.history if m.get("nonfinite_params", 0) == 0]
+    norms = ", ".join(f"{m['step']}: {m['grad_norm']:.3g}" for m in rows[-8:])
+    return "\n".join([
+        f"last healthy step: {max(healthy) if healthy else None} (steps completed: "
+        f"{run.step_count})",
+        f"first non-finite parameter: {first_nonfinite_param(run.policy) or 'none'}",
+        f"grad norm (step: value), last {min(8, len(rows))}: {norms or 'none'}",
+    ])
