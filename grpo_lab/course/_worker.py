@@ -2,14 +2,15 @@
 
 Started by `sandbox.Worker` as `python -I -c <bootstrap>` in a fresh temporary folder. It
 imports nothing from grpo_lab itself at start (the exercise's own imports may, and a
-"drive" request imports the checkers' drivers, step_checks). It answers framed
+"drive" request imports the checker module whose driver it runs). It answers framed
 requests on a pipe (grader -> worker: pickled; worker -> grader: JSON plus one list of
 plain tensors, loaded by the grader with `torch.load(weights_only=True)`):
 
     ("define", name, prelude, source, forbidden)  run the student's exercise cell
     ("call", name, args, kwargs)                  call the student's function
-    ("drive", name, driver, params)               run a checker's driver on it (a fixed case
-                                                  built here: a model, an optimizer)
+    ("drive", name, module, driver, params)       run a checker's driver (module.DRIVERS) on
+                                                  it: a fixed case built here (a model, an
+                                                  optimizer)
     ("backward", grads)                            gradients of the last call's outputs
 
 The grader decides pass or fail; this process only computes values. Whatever it reports
@@ -21,6 +22,7 @@ submission that ran here.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import io
 import json
 import math
@@ -262,14 +264,15 @@ def main(fd_in: int, fd_out: int) -> None:
             elif kind == "drive":
                 # a trusted driver of the package builds the case (a model, an optimizer)
                 # here, beside the student's function, and returns tensors and numbers
-                _, name, driver, params = request
-                from grpo_lab.course.step_checks import DRIVERS  # only when a check needs it
-
+                _, name, module, driver, params = request
+                if not str(module).startswith("grpo_lab.course."):
+                    raise ValueError(f"no drivers in {module!r}")
+                drivers = importlib.import_module(module).DRIVERS  # a checker module's
                 trip.forbidden, trip.hit = forbidden[name], None
                 last.clear()
                 sys.setprofile(trip)
                 try:
-                    out = DRIVERS[driver](functions[name], **params)
+                    out = drivers[driver](functions[name], **params)
                 finally:
                     sys.setprofile(None)
                 tensors = []

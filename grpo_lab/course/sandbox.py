@@ -473,10 +473,10 @@ class RemoteFunction:
         mapping = dict(zip(carry, bridged, strict=True))
         return _replace(value, mapping)
 
-    def drive(self, driver: str, params: dict):
-        """Run a checker's driver (step_checks.DRIVERS) on the student's function in the
-        worker: the case it builds (a model, an optimizer) never crosses the pipe."""
-        head, tensors = self.worker.request(("drive", self.name, driver, params))
+    def drive(self, module: str, driver: str, params: dict):
+        """Run a checker's driver (listed in its module's DRIVERS) on the student's function
+        in the worker: the case it builds (a model, an optimizer) never crosses the pipe."""
+        head, tensors = self.worker.request(("drive", self.name, module, driver, params))
         if "error" in head:
             raise _rebuild(head["error"])
         if head.get("reference"):

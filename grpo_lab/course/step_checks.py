@@ -7,9 +7,10 @@ out: log-probs, a loss and its gradient, or the parameters after one update. Whe
 differ it runs the reference again with each known mistake put in (a *mutant*) and names
 the one that reproduces the learner's result, in the learner's terms.
 
-The case is built by a *driver* (`DRIVERS`), a function of (the learner's function,
-picklable parameters): in a notebook `drive` calls it here; in the grader the learner's
-function lives in the sandboxed worker and the driver runs there (`RemoteFunction.drive`).
+The case is built by a *driver*, a function of (the learner's function, picklable
+parameters) listed in its module's `DRIVERS`: in a notebook `drive` calls it here; in the
+grader the learner's function lives in the sandboxed worker and the driver runs there
+(`RemoteFunction.drive`).
 The fixture's optimizer is plain SGD, so an update is lr x the clipped gradient: two correct
 steps that round differently agree to 1e-6, where AdamW's first step (g / |g|) would blow
 rounding on near-zero gradient entries up to the learning rate.
@@ -140,17 +141,19 @@ def drive_loss(fn, seed: int = 0, **overrides) -> dict:
             "advantages_get_gradient": adv_grad is not None and bool(adv_grad.abs().sum() > 0)}
 
 
-DRIVERS: dict[str, Callable] = {"step": drive_step, "update": drive_update,
-                                "logprobs": drive_logprobs, "loss": drive_loss}
+# the drivers a grading worker may run, by name (each checker module keeps its own)
+DRIVERS: dict[str, Callable] = {f.__name__: f for f in (drive_step, drive_update,
+                                                        drive_logprobs, drive_loss)}
 
 
-def drive(fn, driver: str, **params) -> dict:
-    """Run `DRIVERS[driver](fn, **params)`: here, or in the grader's worker when `fn` is the
-    learner's function seen from the grader."""
+def drive(fn, driver: Callable, **params) -> dict:
+    """Run `driver(fn, **params)`: here, or in the grader's worker when `fn` is the learner's
+    function seen from the grader (the worker runs the same driver, found by its module
+    and name in that module's DRIVERS)."""
     remote = getattr(getattr(fn, "__wrapped_student__", fn), "drive", None)
     if remote is not None:
-        return remote(driver, params)
-    return DRIVERS[driver](fn, **params)
+        return remote(driver.__module__, driver.__name__, params)
+    return driver(fn, **params)
 
 
 # --- mutants: the reference with one known mistake put in --------------------------------------
@@ -385,7 +388,7 @@ def check_completion_logprobs(fn: Callable) -> CheckResult:
 
     def case(seed, temperature):
         def run(f):
-            out = drive(f, "logprobs", seed=seed, temperature=temperature)
+            out = drive(f, drive_logprobs, seed=seed, temperature=temperature)
             want = drive_logprobs(ref, seed, temperature)["logp"].detach()
             got = out["logp"]
             if isinstance(got, torch.Tensor):
@@ -409,7 +412,7 @@ def check_reinforce_loss(fn: Callable) -> CheckResult:
 
     def case(seed):
         def run(f):
-            out, want = drive(f, "loss", seed=seed), drive_loss(ref, seed)
+            out, want = drive(f, drive_loss, seed=seed), drive_loss(ref, seed)
             if "bad_return" in out:
                 raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
             if out["grad"] is None:
@@ -430,7 +433,7 @@ def check_grpo_loss(fn: Callable) -> CheckResult:
 
     def case(seed, **overrides):
         def run(f):
-            out, want = drive(f, "loss", seed=seed, **overrides), drive_loss(ref, seed, **overrides)
+            out, want = drive(f, drive_loss, seed=seed, **overrides), drive_loss(ref, seed, **overrides)
             if "bad_return" in out:
                 raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
             if out["grad"] is None:
@@ -460,7 +463,7 @@ def check_apply_update(fn: Callable) -> CheckResult:
 
     def case(seed, **overrides):
         def run(f):
-            out, want = drive(f, "update", seed=seed, **overrides), drive_update(ref, seed, **overrides)
+            out, want = drive(f, drive_update, seed=seed, **overrides), drive_update(ref, seed, **overrides)
             _compare(out["update"], want["update"], "the parameter update", mutants,
                      lambda m: drive_update(m, seed, **overrides)["update"], UPDATE_MISTAKES)
             got = out["out"]
@@ -491,7 +494,7 @@ def check_grpo_step(fn: Callable) -> CheckResult:
     def case(seed, **overrides):
         def run(f):
             try:
-                out = drive(f, "step", seed=seed, **overrides)
+                out = drive(f, drive_step, seed=seed, **overrides)
             except TypeError as e:
                 if "loss_fn" in str(e) or "update_fn" in str(e) or "argument" in str(e):
                     raise Mismatch("call it as grpo_step(run, problems, loss_fn=..., "
@@ -561,7 +564,7 @@ def check_reported_loss(fn: Callable) -> CheckResult:
 
     def case(seed, **overrides):
         def run(f):
-            out, want = drive(f, "loss", seed=seed, **overrides), drive_loss(ref, seed, **overrides)
+            out, want = drive(f, drive_loss, seed=seed, **overrides), drive_loss(ref, seed, **overrides)
             if "bad_return" in out:
                 raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
             if out["grad"] is None:
