@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -94,6 +95,20 @@ def drive_update(fn, seed: int = 0, **overrides) -> dict:
     return {"update": _flat(run.policy) - before, "out": out}
 
 
+def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False) -> dict:
+    """A guarded update on the fixture (stale gradients of norm ~45, max_grad_norm 1,
+    spike factor 20), with `recent` as the known grad norms and, with nan_grad, one NaN
+    gradient entry."""
+    run = fixture_run(seed)
+    run.recent_grad_norms.extend(recent)
+    if nan_grad:
+        next(iter(run.policy.parameters())).grad[0, 0] = float("nan")
+    before = _flat(run.policy)
+    out = fn(run)
+    return {"update": (_flat(run.policy) - before).nan_to_num(1e9), "out": out,
+            "recent": [float(x) for x in run.recent_grad_norms]}
+
+
 def _batch(seed: int, C: int = 4):
     """A left-padded batch of prompts of different lengths, each followed by C ids."""
     _, tokenizer = _tiny()
@@ -112,23 +127,25 @@ def drive_logprobs(fn, seed: int = 0, temperature: float = 0.7) -> dict:
     return {"logp": out, "requires_grad": bool(getattr(out, "requires_grad", False))}
 
 
-def _loss_case(seed: int, **overrides):
+def _loss_case(seed: int, drift: float = 0.0, **overrides):
+    """A batch of 8 completions of up to 5 tokens; `drift` moves the reference's log-probs
+    down by that much per token (a summed log-ratio of up to 5 x drift)."""
     cfg = fixture_cfg(seed, **overrides)
     g = _gen(seed)
     B, C = 8, 5
     old_logp = -torch.rand(B, C, generator=g) * 3
     logp = (old_logp + torch.randn(B, C, generator=g) * 0.4).requires_grad_()
-    ref_logp = old_logp + torch.randn(B, C, generator=g) * 0.3
+    ref_logp = old_logp + torch.randn(B, C, generator=g) * 0.3 - drift
     lengths = torch.randint(1, C + 1, (B,), generator=g)
     mask = (torch.arange(C)[None] < lengths[:, None]).long()
     advantages = torch.randn(B, generator=g)
     return cfg, (logp, old_logp, ref_logp, advantages, mask)
 
 
-def drive_loss(fn, seed: int = 0, **overrides) -> dict:
+def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
     """The loss and its gradient with respect to logp. The advantages come in as a tensor
     that carries a gradient (as if a graph had computed them): none may flow into them."""
-    cfg, args = _loss_case(seed, **overrides)
+    cfg, args = _loss_case(seed, drift, **overrides)
     advantages = args[3].clone().requires_grad_()
     out = fn(*args[:3], advantages, args[4], cfg)
     if not (isinstance(out, tuple) and len(out) == 2):
@@ -143,7 +160,8 @@ def drive_loss(fn, seed: int = 0, **overrides) -> dict:
 
 # the drivers a grading worker may run, by name (each checker module keeps its own)
 DRIVERS: dict[str, Callable] = {f.__name__: f for f in (drive_step, drive_update,
-                                                        drive_logprobs, drive_loss)}
+                                                        drive_logprobs, drive_loss,
+                                                        drive_guarded)}
 
 
 def drive(fn, driver: Callable, **params) -> dict:
@@ -357,7 +375,7 @@ def _which(got: torch.Tensor, mutants: dict[str, Callable], run_mutant: Callable
         except Exception:  # noqa: BLE001 - a mutant that cannot run on this case matches nothing
             continue
         if isinstance(want, torch.Tensor) and want.shape == got.shape and torch.allclose(
-                got.double(), want.double(), **STEP_TOL):
+                got.double(), want.double(), equal_nan=True, **STEP_TOL):
             return catalog[name]
     return None
 
@@ -587,12 +605,162 @@ def check_reported_loss(fn: Callable) -> CheckResult:
     ])
 
 
+def _clamp_mutant(mistake: str) -> Callable:
+    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+        if mistake == "no_clamp":
+            return steps.reported_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
+        if mistake == "ratio_clamped":  # clamp(exp(log r)) instead of exp(clamp(log r))
+            c = copy.copy(cfg)
+            c.log_ratio_clamp = None
+            m = mask.float()
+            log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)
+            ratio = torch.exp(log_ratio).clamp(math.exp(-cfg.log_ratio_clamp),
+                                               math.exp(cfg.log_ratio_clamp))
+            adv = advantages.detach().unsqueeze(-1)
+            per_token = -torch.min(ratio * adv, cfg.epsilon_low * adv)
+            w = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
+            return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * w).sum(), {}
+        raise KeyError(mistake)
+    return loss
+
+
+CLAMP_MISTAKES = {
+    "no_clamp": "nothing is clamped: clamp the summed log-ratio to [-cfg.log_ratio_clamp, "
+    "cfg.log_ratio_clamp] before `exp`",
+    "ratio_clamped": "the ratio is clamped after `exp`: exp() has already overflowed to inf "
+    "by then (and inf x 0 is NaN); clamp the log-ratio, then exp",
+}
+
+
+def check_clamped_reported_loss(fn: Callable) -> CheckResult:
+    ref = steps.clamped_reported_loss
+    mutants = {k: _clamp_mutant(k) for k in CLAMP_MISTAKES}
+
+    def case(seed, **overrides):
+        def run(f):
+            out = drive(f, drive_loss, seed=seed, **overrides)
+            want = drive_loss(ref, seed, **overrides)
+            if "bad_return" in out:
+                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
+            if out["grad"] is None:
+                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
+                               "with respect to logp")
+            _no_advantage_gradient(out)
+            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
+            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
+
+            def mutant_result(m):
+                r = drive_loss(m, seed, **overrides)
+                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
+            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
+                     CLAMP_MISTAKES)
+        return run
+
+    # a clamp of 0.5 binds on the fixed batch's summed log-ratios (they reach ~2)
+    return run_check("clamped_reported_loss", fn, ref, [
+        ("clamp 0.5, beta 0.05", case(0, beta=0.05, log_ratio_clamp=0.5)),
+        ("clamp 1.0, another batch", case(1, log_ratio_clamp=1.0)),
+        ("a reference 30 nats per token away: summed log-ratios past exp's overflow (88.7)",
+         case(2, log_ratio_clamp=10.0, drift=30.0)),
+    ])
+
+
+def _guard_mutant(mistake: str) -> Callable:
+    def update(run):
+        if mistake == "report_rule":  # report 000: `if grad_norm > 10`
+            params = [p for p in run.policy.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.max_grad_norm).item()
+            if norm > 10:
+                run.optimizer.zero_grad(set_to_none=True)
+                return norm, 1
+            run.optimizer.step()
+            return norm, 0
+        if mistake == "history_not_kept":
+            saved = copy.copy(run.recent_grad_norms)
+            out = steps.guarded_update(run)
+            run.recent_grad_norms.clear()
+            run.recent_grad_norms.extend(saved)
+            return out
+        if mistake == "skipped_norm_not_kept":
+            before = len(run.recent_grad_norms)
+            norm, skipped = steps.guarded_update(run)
+            if skipped and len(run.recent_grad_norms) > before:
+                run.recent_grad_norms.pop()
+            return norm, skipped
+        if mistake == "no_clip":
+            c = copy.copy(run.cfg)
+            c.max_grad_norm = None
+            saved, run.cfg = run.cfg, c
+            try:
+                return steps.guarded_update(run)
+            finally:
+                run.cfg = saved
+        raise KeyError(mistake)
+    return update
+
+
+GUARD_MISTAKES = {
+    "skipped_norm_not_kept": "a skipped norm is not recorded: record every finite norm, "
+    "skipped ones too, or a lasting change of scale freezes training behind a stale median",
+    "history_not_kept": "the grad norms are not recorded: append each finite norm to "
+    "run.recent_grad_norms, or the spike rule never gets its 5 norms to compare with",
+    "report_rule": "this is report 000's rule, `if grad_norm > 10`: a NaN norm is not > 10, "
+    "so the NaN update goes through (test math.isfinite first), and a fixed threshold "
+    "ignores the run's own scale (compare with factor x the median of recent norms)",
+    "no_clip": "the update is not clipped: scale the gradients to cfg.max_grad_norm before "
+    "`optimizer.step()` (clip_grad_norm)",
+}
+
+
+def check_guarded_update(fn: Callable) -> CheckResult:
+    ref = steps.guarded_update
+    mutants = {k: _guard_mutant(k) for k in GUARD_MISTAKES}
+
+    def same(a: dict, b: dict) -> bool:
+        return (isinstance(a["out"], tuple) and len(a["out"]) == 2
+                and a["out"][1] == b["out"][1] and a["recent"] == b["recent"]
+                and torch.allclose(a["update"].double(), b["update"].double(), **STEP_TOL))
+
+    def case(what: str, **params):
+        def run(f):
+            out, want = drive(f, drive_guarded, **params), drive_guarded(ref, **params)
+            if not isinstance(out.get("update"), torch.Tensor) or same(out, want):
+                return _expect(out.get("update"), want["update"], "the parameter update")
+            for name, m in mutants.items():
+                if same(out, drive_guarded(m, **params)):
+                    raise Mismatch(f"{what}: {GUARD_MISTAKES[name]}")
+            got = out["out"]
+            if not (isinstance(got, tuple) and len(got) == 2):
+                raise Mismatch(f"return (grad_norm, skipped); got {type(got).__name__}")
+            if got[1] != want["out"][1]:
+                raise Mismatch(f"{what}: skipped should be {want['out'][1]}, got {got[1]!r}")
+            if out["recent"] != want["recent"]:
+                raise Mismatch(f"{what}: run.recent_grad_norms is {out['recent']}, expected "
+                               f"{want['recent']}")
+            _expect(out["update"], want["update"], f"the parameter update ({what})", **STEP_TOL)
+        return run
+
+    return run_check("guarded_update", fn, ref, [
+        ("a finite gradient, no history yet: clip and step", case("no history", seed=0)),
+        ("six recent norms near this one: clip and step",
+         case("no spike", seed=0, recent=(40.0,) * 6)),
+        ("a spike, 45 against a median of 1: skip", case("spike", seed=0, recent=(1.0,) * 6)),
+        ("a NaN gradient entry: skip", case("NaN", seed=1, recent=(40.0,) * 6, nan_grad=True)),
+        ("a spike with only 3 known norms: not yet a spike",
+         case("short history", seed=1, recent=(1.0,) * 3)),
+    ])
+
+
 CHECKERS = {"completion_logprobs": check_completion_logprobs,
             "reinforce_loss": check_reinforce_loss, "grpo_loss": check_grpo_loss,
             "apply_update": check_apply_update, "grpo_step": check_grpo_step,
-            "reported_loss": check_reported_loss}
+            "reported_loss": check_reported_loss,
+            "clamped_reported_loss": check_clamped_reported_loss,
+            "guarded_update": check_guarded_update}
 MISTAKES = {"completion_logprobs": (LOGPROB_MISTAKES, _logprobs_mutant),
             "grpo_loss": (LOSS_MISTAKES, _loss_mutant),
             "apply_update": (UPDATE_MISTAKES, _update_mutant),
             "grpo_step": (STEP_MISTAKES, _step_mutant),
-            "reported_loss": (REPORTED_MISTAKES, _reported_mutant)}
+            "reported_loss": (REPORTED_MISTAKES, _reported_mutant),
+            "clamped_reported_loss": (CLAMP_MISTAKES, _clamp_mutant),
+            "guarded_update": (GUARD_MISTAKES, _guard_mutant)}

@@ -39,6 +39,7 @@ import torch
 
 from ..config import GRPOConfig
 from ..fast import fused_adamw
+from ..field.faults import INJECT_AT
 from ..health import Snapshot, all_finite, first_nonfinite_param, nonfinite_params
 from ..models import disable_dropout, frozen_copy, resolve_device
 from ..objective import (
@@ -53,6 +54,7 @@ from ..policy import load_policy
 from ..sampling import greedy_accuracy, sample_group
 from ..tasks import Problem, ProblemStream, addition_reward, eval_problems
 from ..trainer import SPIKE_WINDOW, to_json_line
+from .checks import reference_clip_grad_norm, reference_should_skip
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -142,6 +144,45 @@ def reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
                   "log_ratio/max_abs": log_ratio.detach().abs().max().item()}
 
 
+def clamped_reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+    """reported_loss with the reports' first fix (notebook 06): the summed log-ratio clamped
+    to [-cfg.log_ratio_clamp, cfg.log_ratio_clamp] before `exp`, so it cannot overflow."""
+    m = completion_mask.float()
+    log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)  # (B, 1), against the reference
+    c = cfg.log_ratio_clamp if cfg.log_ratio_clamp is not None else math.inf
+    adv = advantages.detach().unsqueeze(-1)  # (B, 1)
+    per_token = -torch.min(torch.exp(log_ratio.clamp(-c, c)) * adv, cfg.epsilon_low * adv)
+    kl = kl_k3(logp, ref_logp)  # (B, C)
+    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
+    loss = ((per_token + cfg.beta * kl) * weights).sum()
+    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
+                  "log_ratio/max_abs": log_ratio.detach().abs().max().item()}
+
+
+def guarded_update(run: Run) -> tuple[float, int]:
+    """apply_update with the skip rule (notebook 06), from the notebook's two exercises
+    (`clip_grad_norm`, `should_skip`): the grad norm before clipping; skip the update (clear
+    the gradients, step nothing) when it is not finite, or when it is more than
+    cfg.spike_skip_factor x the median of run.recent_grad_norms once 5 are known; every
+    finite norm joins run.recent_grad_norms, skipped ones too; else write the clipped
+    gradients back and step. Returns (grad_norm, skipped: 0 or 1), as `Trainer._update`."""
+    cfg = run.cfg
+    params = [p for p in run.policy.parameters() if p.grad is not None]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+    factor = cfg.spike_skip_factor if cfg.spike_skip_factor is not None else math.inf
+    clipped, grad_norm = reference_clip_grad_norm([p.grad for p in params], max_norm)
+    skip = reference_should_skip(grad_norm, run.recent_grad_norms, factor)
+    if math.isfinite(grad_norm):
+        run.recent_grad_norms.append(grad_norm)  # skipped norms count too
+    if skip:
+        run.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, 1
+    for p, g in zip(params, clipped, strict=True):
+        p.grad = g
+    run.optimizer.step()
+    return grad_norm, 0
+
+
 def apply_update(run: Run) -> tuple[float, int]:
     """The update after backward: the global grad norm (before clipping), clipping to
     cfg.max_grad_norm when it is set, the optimizer step. Returns (grad_norm, skipped=0)."""
@@ -184,6 +225,64 @@ def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
             "loss": loss.item(), "kl": 0.0, "grad_norm": grad_norm,
             "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped,
             **stats}
+
+
+# --- faults, injected into a learner's run (the package's fault injector, field/faults.py) -----
+LEARNER_FAULTS = ("nan-grads", "loss-spike", "nan-logits", "nan-rewards", "nan-params",
+                  "inf-params")
+
+
+def with_fault(run: Run, step_fn: Callable, fault: str, at: int = INJECT_AT) -> Callable:
+    """`step_fn` (a partial of a step with loss_fn and update_fn) with one of the fault
+    injector's faults at step `at` of `run`: a NaN gradient entry before the update, the
+    loss x 1e4, NaN logits in the training forward, a NaN reward, or a NaN / inf parameter
+    written after the update."""
+    if fault not in LEARNER_FAULTS:
+        raise ValueError(f"fault must be one of {', '.join(LEARNER_FAULTS)} (got {fault!r})")
+    if not isinstance(step_fn, partial) or not {"loss_fn"} <= set(step_fn.keywords):
+        raise ValueError("pass the step as partial(step, loss_fn=..., update_fn=...)")
+    due = lambda: run.step_count == at - 1  # noqa: E731 - step_count counts finished steps
+    loss_fn = step_fn.keywords["loss_fn"]
+    update_fn = step_fn.keywords.get("update_fn", apply_update)
+    kw = dict(step_fn.keywords)
+    first = lambda: next(run.policy.parameters())  # noqa: E731
+    if fault == "nan-grads":
+        def update(r):
+            if due():
+                first().grad.view(-1)[0] = float("nan")
+            return update_fn(r)
+        kw["update_fn"] = update
+    elif fault in ("nan-params", "inf-params"):
+        value = float("nan") if fault == "nan-params" else float("inf")
+
+        def update(r):
+            out = update_fn(r)
+            if due():
+                with torch.no_grad():
+                    first().view(-1)[0] = value
+            return out
+        kw["update_fn"] = update
+    elif fault == "loss-spike":
+        def loss(*args):
+            value, stats = loss_fn(*args)
+            return (value * 1e4 if due() else value), stats
+        kw["loss_fn"] = loss
+    elif fault == "nan-logits":
+        def hook(module, inputs, output):
+            if torch.is_grad_enabled() and due():
+                poison = torch.ones_like(output)
+                poison[0] = float("nan")  # the first row's logits, inside the graph
+                return output * poison
+            return output
+        run.policy.lm_head.register_forward_hook(hook)
+    elif fault == "nan-rewards":
+        reward_fn = run.reward_fn
+
+        def rewards(completions, **columns):
+            out = list(reward_fn(completions, **columns))
+            return [float("nan"), *out[1:]] if due() else out
+        run.reward_fn = rewards
+    return partial(step_fn.func, *step_fn.args, **kw)
 
 
 # --- the harness -----------------------------------------------------------------------------
@@ -229,19 +328,21 @@ def describe_step(step_fn: Callable) -> str:
 
 def train(run: Run, step_fn: Callable, steps: int | None = None,
           eval_every: int | None = None, progress: bool = True, callback=None,
-          metrics_path: str | Path | None = None) -> list[dict]:
+          metrics_path: str | Path | None = None, verbose: bool = True) -> list[dict]:
     """Call `step_fn(run, problems)` until `steps` (default cfg.steps) steps are done, on
     prompts drawn like `Trainer`'s; greedy accuracy at step 0, every `eval_every` (default
     cfg.eval_every) steps and at the end. Appends each step's metrics to run.history (with
     'step_time', 'nonfinite_params' (NaN/inf parameter entries after the step: the harness
     watches, it does not act) and, where evaluated, 'eval/accuracy') and returns it; with
-    `metrics_path`, also writes each row there as a JSON line as soon as it is done."""
+    `metrics_path`, also writes each row there as a JSON line as soon as it is done.
+    `verbose`: print which functions the run calls, and whose they are (describe_step)."""
     from tqdm.auto import tqdm
 
     cfg = run.cfg
     total = cfg.steps if steps is None else steps
     every = cfg.eval_every if eval_every is None else eval_every
-    print(f"training: {describe_step(step_fn)}, {total - run.step_count} steps")
+    if verbose:
+        print(f"training: {describe_step(step_fn)}, {total - run.step_count} steps")
     sink = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
 
     def record(m: dict) -> None:
