@@ -125,7 +125,7 @@ def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperatu
 
 
 def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens,
-                temperature, top_k, top_p, safe, logit_clamp=None):
+                temperature, top_k, top_p, safe, logit_clamp=None, sanitize=None):
     """generate()'s sampling loop written out, with one saving: each prompt runs through the
     model once and its G rows share its KV cache. Then one token per step for every row,
     padding after a row's EOS, until all rows are done. Each step's logits are scaled as
@@ -141,7 +141,9 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     processors = [lambda ids, scores: scale_logits(scores, temperature, logit_clamp)]
-    if safe:
+    if sanitize is not None:  # a (B, V) -> (B, V) function of the caller's (notebook 10)
+        processors.append(lambda ids, scores: sanitize(scores))
+    elif safe:
         processors.append(SanitizeLogits())
     if top_k:
         processors.append(TopKLogitsWarper(top_k))
@@ -185,10 +187,12 @@ def sample_group(
     top_p: float = 1.0,
     safe: bool = False,
     logit_clamp: float | None = None,
+    sanitize=None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (rows grouped by prompt), from the
     distribution training optimises: softmax(scale_logits(logits, temperature,
-    logit_clamp)), then top-k / top-p."""
+    logit_clamp)), then top-k / top-p. `safe`: check the prompt ids and sanitise the logits
+    (SanitizeLogits); `sanitize`: a (B, V) -> (B, V) function to sanitise them with instead."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (B/G, P)
     if safe:
@@ -199,7 +203,7 @@ def sample_group(
     model.eval()
     completion_ids, raw_logits = decode_loop(
         model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature,
-        top_k, top_p, safe, logit_clamp,
+        top_k, top_p, safe, logit_clamp, sanitize,
     )  # (B, C), (B, C, V)
     model.train(was_training)
     sampling_logprobs = token_logprobs(scale_logits(raw_logits, temperature, logit_clamp),

@@ -60,5 +60,9 @@ def test_the_manifest_describes_each_exercise_for_the_grader():
     assert not any(n.endswith(".kl_k3") for n in k3["may_use"])
     assert k3["cell_id"] and k3["check_cell_id"] and k3["hint"]
     assert labs.expected_exercises("03_the_grpo_objective.ipynb") == [
-        "kl_k3", "clipped_surrogate", "token_weights"]
+        "kl_k3", "clipped_surrogate", "token_weights", "dual_clip_surrogate",
+        "clip_higher_fractions", "sequence_level_ratio"]
+    tiers = {e["function"]: e["tier"] for e in
+             labs.load_manifest()["notebooks"]["03_the_grpo_objective.ipynb"]["exercises"]}
+    assert tiers["kl_k3"] == "core" and tiers["dual_clip_surrogate"] == "stretch"
     assert labs.expected_exercises("nope.ipynb") is None

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import nbformat
 
-from . import checks, step_checks
+from . import checks, step_checks, stretch
 
-CHECKER_MODULES = (checks, step_checks)
+CHECKER_MODULES = (checks, step_checks, stretch)
 
 MANIFEST = Path(__file__).with_name("exercises.json")
 CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")
@@ -156,6 +156,19 @@ def loaded_names(source: str) -> list[tuple[str, str]]:
     return out
 
 
+TIERS = ("core", "stretch")
+
+
+def _tier(cell, name: str) -> str:
+    """Cell metadata `grpo_lab: {tier: ...}`: core (needed later, the default) or stretch
+    (checked, not needed later)."""
+    tier = cell.metadata.get("grpo_lab", {}).get("tier", "core")
+    if tier not in TIERS:
+        raise ValueError(f"the cell of {name}(): tier must be one of {', '.join(TIERS)} "
+                         f"(got {tier!r})")
+    return tier
+
+
 def _top_functions(source: str) -> list[str]:
     try:
         tree = ast.parse(python_source(source))
@@ -225,6 +238,7 @@ def exercise_specs(nb) -> list[dict]:
             "check_cell_id": check_cell.get("id") if check_cell is not None else None,
             "checker": checker, "reference": reference,
             "points": int(cell.metadata.get("grpo_lab", {}).get("points", 1)),
+            "tier": _tier(cell, name),
             "hint": _hint(cell.source), "forbidden": forbidden,
             "tripwires": [[module.replace(".", "/") + ".py", ref_name]],
             "setup": setup, "may_use": may_use, "provided": provided,

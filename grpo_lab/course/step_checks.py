@@ -109,6 +109,28 @@ def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False)
             "recent": [float(x) for x in run.recent_grad_norms]}
 
 
+def drive_sample(fn, seed: int = 0, fault: str | None = None) -> dict:
+    """Sample 4 completions for each of 3 prompts of different lengths at T = 0.8 with a
+    fresh tiny GPT-2; fault 'nan-params' makes its embedding NaN, 'new-pad' adds a pad token
+    to the tokenizer that the model has no embedding row for (report 002)."""
+    model, tokenizer = (copy.deepcopy(x) for x in _tiny())
+    prompts = ["1+2=", "12+34=", "99+99="]
+    if fault == "nan-params":
+        with torch.no_grad():
+            model.get_input_embeddings().weight.fill_(float("nan"))
+    elif fault == "new-pad":
+        tokenizer.add_special_tokens({"pad_token": "<new-pad>"})
+    torch.manual_seed(seed)
+    try:
+        rollout = fn(model, tokenizer, prompts, 4, 5, 0.8, 0, 1.0)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what the learner's sampler raised is the result
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+    ids = getattr(rollout, "completion_ids", None)
+    return {"ids": ids if isinstance(ids, torch.Tensor) else None}
+
+
 def _batch(seed: int, C: int = 4):
     """A left-padded batch of prompts of different lengths, each followed by C ids."""
     _, tokenizer = _tiny()
@@ -161,7 +183,7 @@ def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
 # the drivers a grading worker may run, by name (each checker module keeps its own)
 DRIVERS: dict[str, Callable] = {f.__name__: f for f in (drive_step, drive_update,
                                                         drive_logprobs, drive_loss,
-                                                        drive_guarded)}
+                                                        drive_guarded, drive_sample)}
 
 
 def drive(fn, driver: Callable, **params) -> dict:
@@ -751,12 +773,56 @@ def check_guarded_update(fn: Callable) -> CheckResult:
     ])
 
 
+MULTINOMIAL = "probability tensor contains"
+
+
+def check_safe_sample(fn: Callable) -> CheckResult:
+    ref = steps.safe_sample
+
+    def healthy(seed):
+        def run(f):
+            out, want = drive(f, drive_sample, seed=seed), drive_sample(ref, seed)
+            if "error" in out:
+                raise Mismatch(f"a healthy model: your sampler raised {out['error']}")
+            if out["ids"] is None:
+                raise Mismatch("return sample_group's Rollout (it has .completion_ids)")
+            _expect(out["ids"], want["ids"], "the sampled completion ids (same seed: the "
+                    "same draws as sample_group)")
+        return run
+
+    def nan_params(f):
+        out = drive(f, drive_sample, fault="nan-params")
+        if "error" not in out:
+            raise Mismatch("a model whose parameters are NaN sampled without an error: it "
+                           "cannot have produced anything but garbage")
+        if MULTINOMIAL in out["error"]:
+            raise Mismatch("the NaN logits reached torch.multinomial (on CUDA: a device-side "
+                           "assert that kills the process): sanitise them first, "
+                           "sample_group(..., sanitize=sanitize_logits)")
+
+    def new_pad(f):
+        out = drive(f, drive_sample, fault="new-pad")
+        if "error" not in out:
+            raise Mismatch("a pad token with no embedding row was sampled with: check the "
+                           "prompt ids against model.get_input_embeddings().num_embeddings")
+        if "index out of range" in out["error"] or "IndexError" in out["error"]:
+            raise Mismatch("the bad pad id reached the embedding (IndexError on CPU, a "
+                           "device-side assert on CUDA): check the ids before the forward, "
+                           "and name the id and the table's size in the error")
+
+    return run_check("safe_sample", fn, ref, [
+        ("a healthy model, seed 0", healthy(0)), ("a healthy model, seed 1", healthy(1)),
+        ("NaN parameters (report 000)", nan_params),
+        ("a new pad token the embedding lacks (report 002)", new_pad),
+    ])
+
+
 CHECKERS = {"completion_logprobs": check_completion_logprobs,
             "reinforce_loss": check_reinforce_loss, "grpo_loss": check_grpo_loss,
             "apply_update": check_apply_update, "grpo_step": check_grpo_step,
             "reported_loss": check_reported_loss,
             "clamped_reported_loss": check_clamped_reported_loss,
-            "guarded_update": check_guarded_update}
+            "guarded_update": check_guarded_update, "safe_sample": check_safe_sample}
 MISTAKES = {"completion_logprobs": (LOGPROB_MISTAKES, _logprobs_mutant),
             "grpo_loss": (LOSS_MISTAKES, _loss_mutant),
             "apply_update": (UPDATE_MISTAKES, _update_mutant),

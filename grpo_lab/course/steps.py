@@ -51,10 +51,10 @@ from ..objective import (
     token_weights,
 )
 from ..policy import load_policy
-from ..sampling import greedy_accuracy, sample_group
+from ..sampling import encode_prompts, greedy_accuracy, sample_group
 from ..tasks import Problem, ProblemStream, addition_reward, eval_problems
 from ..trainer import SPIKE_WINDOW, to_json_line
-from .checks import reference_clip_grad_norm, reference_should_skip
+from .checks import reference_clip_grad_norm, reference_sanitize_logits, reference_should_skip
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -194,14 +194,15 @@ def apply_update(run: Run) -> tuple[float, int]:
 
 
 def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
-              update_fn: Callable = apply_update) -> dict:
+              update_fn: Callable = apply_update, sample_fn: Callable = sample_group) -> dict:
     """One GRPO step at mu = 1: sample, score, advantages, loss, backward, update, metrics.
     `problems`: the step's prompts_per_step problems; `loss_fn`: reinforce_loss, grpo_loss
-    or a later notebook's; `update_fn`: what runs after backward. Returns the metrics."""
+    or a later notebook's; `update_fn`: what runs after backward; `sample_fn`: the sampler,
+    called as sample_group is. Returns the metrics."""
     cfg = run.cfg
     G = cfg.group_size
-    rollout = sample_group(run.policy, run.tokenizer, [p.prompt for p in problems], G,
-                           cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    rollout = sample_fn(run.policy, run.tokenizer, [p.prompt for p in problems], G,
+                        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
     answers = [p.answer for p in problems for _ in range(G)]  # rows are grouped by prompt
     rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
                                          truncated=rollout.truncated.tolist()),
@@ -225,6 +226,24 @@ def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
             "loss": loss.item(), "kl": 0.0, "grad_norm": grad_norm,
             "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped,
             **stats}
+
+
+def safe_sample(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """sample_group made safe (notebook 10): refuse a token id the embedding has no row for,
+    in the prompts or as the pad token that fills finished completions (report 002), with a
+    ValueError naming the id and the table's size; and sanitise every step's logits
+    (checks.reference_sanitize_logits: NaN -> -inf, +inf -> the largest float, a row with
+    nothing finite left -> ValueError) before sampling."""
+    ids, _ = encode_prompts(tokenizer, prompts, next(model.parameters()).device)
+    rows = model.get_input_embeddings().num_embeddings
+    for what, i in (("the pad token's id", tokenizer.pad_token_id),
+                    ("prompt token id", int(ids.max()))):
+        if i is not None and not 0 <= i < rows:
+            raise ValueError(f"{what} {i} has no row in the embedding ({rows} rows): a pad "
+                             "token added to the tokenizer but not to the model?")
+    return sample_group(model, tokenizer, prompts, group_size, max_new_tokens, temperature,
+                        top_k, top_p, sanitize=reference_sanitize_logits)
 
 
 # --- faults, injected into a learner's run (the package's fault injector, field/faults.py) -----
