@@ -193,5 +193,7 @@ def test_a_grader_killed_mid_run_and_restarted_writes_byte_identical_results(tmp
     assert "already graded, skipped" in p.stdout
     assert (killed / "g.json").read_bytes() == (whole / "g.json").read_bytes()
     assert (killed / "g.csv").read_bytes() == (whole / "g.csv").read_bytes()
-    assert (whole / "g.csv").read_text().splitlines() == [
-        "student,group_advantages,total,max", "s1,1,1,1", "s2,0,0,1", "s3,0,0,1", "s4,1,1,1"]
+    assert (whole / "g.csv").read_text().splitlines() == [  # 02's two stretch exercises last
+        "student,group_advantages,rloo_advantages,zero_std_group_filter,total,max,stretch,"
+        "stretch_max", "s1,1,0,0,1,3,0,2", "s2,0,0,0,0,3,0,2", "s3,0,0,0,0,3,0,2",
+        "s4,1,0,0,1,3,0,2"]

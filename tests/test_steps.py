@@ -165,3 +165,34 @@ def test_the_grader_checks_whole_steps_in_its_sandbox(tmp_path):
     assert all(r["points"] == r["max_points"] for (s, _), r in by.items() if s == "good")
     assert by[("bad", "grpo_step")]["points"] == 0
     assert "never clears the gradients" in by[("bad", "grpo_step")]["reason"]
+
+
+def test_the_cli_trains_the_learners_step_from_their_notebooks(tmp_path):
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "grpo_lab", "yours", "--loss", "nope",
+                          "--out", str(tmp_path / "x")], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT / "solutions")
+    assert bad.returncode == 2 and "--loss 'nope' is not an exercise" in bad.stderr
+    out = tmp_path / "run"
+    ok = subprocess.run([sys.executable, "-m", "grpo_lab", "yours", "--steps", "2",
+                         "--eval-size", "8", "--out", str(out), "--no-progress"],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT / "solutions")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "grpo_step  (notebook 04): yours" in ok.stdout
+    assert "loss_fn=grpo_loss (yours, notebook 04)" in ok.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[-1]
+
+
+def test_faults_in_a_learners_run_are_caught_by_the_guarded_update():
+    for fault in ("nan-grads", "loss-spike", "nan-rewards"):
+        run = steps.new_run(preset("stable", steps=8, eval_every=0, eval_size=8))
+        step = steps.with_fault(run, partial(steps.grpo_step, loss_fn=steps.grpo_loss,
+                                             update_fn=steps.guarded_update), fault)
+        history = steps.train(run, step, progress=False, verbose=False)
+        rows = [m for m in history if "skipped" in m]  # the fault is at step 7: after the
+        # spike rule has its 5 norms
+        assert [m["skipped"] for m in rows] == [0] * 6 + [1, 0], fault
+        assert all(m["nonfinite_params"] == 0 for m in rows), fault

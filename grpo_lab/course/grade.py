@@ -312,8 +312,27 @@ def print_table(records: list[Record], width: int = 100) -> None:
               f"{r.status:15}  {lines[0]}")
         for line in lines[1:]:
             print(indent + line)
+    stretch = stretch_exercises()
     for student, rs in _by_student(records).items():
-        print(f"total {student}: {sum(r.points for r in rs)}/{sum(r.max_points for r in rs)}")
+        print(f"total {student}: {_totals(rs, stretch)}")
+
+
+def stretch_exercises(manifest: dict | None = None) -> set[str]:
+    """The exercises of the stretch tier (checked, not needed later in the course)."""
+    manifest = manifest or load_manifest()
+    return {e["function"] for nb in manifest["notebooks"].values() for e in nb["exercises"]
+            if e.get("tier") == "stretch"}
+
+
+def _totals(rs: list[Record], stretch: set[str]) -> str:
+    """'7/9' or, where stretch exercises were graded, '7/9 (core 5/6, stretch 2/3)'."""
+    text = f"{sum(r.points for r in rs)}/{sum(r.max_points for r in rs)}"
+    extra = [r for r in rs if r.exercise in stretch]
+    if not extra:
+        return text
+    core = [r for r in rs if r.exercise not in stretch]
+    return (f"{text} (core {sum(r.points for r in core)}/{sum(r.max_points for r in core)}, "
+            f"stretch {sum(r.points for r in extra)}/{sum(r.max_points for r in extra)})")
 
 
 def _by_student(records: list[Record]) -> dict[str, list[Record]]:
@@ -324,29 +343,36 @@ def _by_student(records: list[Record]) -> dict[str, list[Record]]:
 
 
 def write_gradebook(records: list[Record], path: Path) -> None:
-    """One row per student, one column per exercise, then total and max (LMS import)."""
+    """One row per student, one column per exercise, then total and max (LMS import); where
+    stretch exercises were graded, then the stretch points and their max too (included in
+    the total: a course that counts only the core subtracts them)."""
     exercises = list(dict.fromkeys(r.exercise for r in records if r.exercise != "(none)"))
+    stretch = [e for e in exercises if e in stretch_exercises()]
+    max_of = {e: next((x.max_points for x in records if x.exercise == e), 0) for e in exercises}
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["student", *exercises, "total", "max"])
+        w.writerow(["student", *exercises, "total", "max",
+                    *(["stretch", "stretch_max"] if stretch else [])])
         for student, rs in _by_student(records).items():
             pts = {r.exercise: r.points for r in rs}
-            w.writerow([student, *(pts.get(e, 0) for e in exercises),
-                        sum(r.points for r in rs),
-                        sum(r.max_points for r in rs) or sum(
-                            next((x.max_points for x in records if x.exercise == e), 0)
-                            for e in exercises)])
+            row = [student, *(pts.get(e, 0) for e in exercises), sum(r.points for r in rs),
+                   sum(r.max_points for r in rs) or sum(max_of.values())]
+            if stretch:
+                row += [sum(pts.get(e, 0) for e in stretch), sum(max_of[e] for e in stretch)]
+            w.writerow(row)
 
 
 def write_feedback(records: list[Record], folder: Path, hints: dict[str, str]) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
+    stretch = stretch_exercises()
     written = []
     for student, rs in _by_student(records).items():
         lines = [f"# Feedback for {student}", "",
-                 f"Total: **{sum(r.points for r in rs)}/{sum(r.max_points for r in rs)}**", ""]
+                 f"Total: **{_totals(rs, stretch)}**", ""]
         for r in rs:
             icon = "passed" if r.status == "passed" else r.status
-            lines += [f"## {r.exercise}: {r.points}/{r.max_points} ({icon})", ""]
+            tier = ", stretch: checked, not needed later" if r.exercise in stretch else ""
+            lines += [f"## {r.exercise}: {r.points}/{r.max_points} ({icon}{tier})", ""]
             if r.reason:
                 lines += [r.reason, ""]
             if r.status != "passed" and hints.get(r.exercise):

@@ -360,6 +360,47 @@ def nbgrader_source(dest: Path, solutions: list[Path], assignment: str) -> list[
     return written
 
 
+EXERCISE_TABLE = Path("docs") / "exercises.md"
+
+
+def known_mistakes(exercise: str) -> list[str]:
+    """The named mistakes a checker's catalog holds for this exercise (MISTAKES of the
+    checker modules that keep one), e.g. ['no_zero_grad', 'answers_tiled', ...]."""
+    for module in CHECKER_MODULES:
+        catalog = getattr(module, "MISTAKES", {}).get(exercise)
+        if catalog:
+            return list(catalog[0])
+    return []
+
+
+def exercise_table(data: dict) -> str:
+    """docs/exercises.md: every exercise with its notebook, tier, points, checker and the
+    known mistakes its checker names (written by `labs`, checked by `labs --check`)."""
+    rows, totals = [], {"core": [0, 0], "stretch": [0, 0]}
+    for nb, spec in data["notebooks"].items():
+        for e in spec["exercises"]:
+            totals[e["tier"]][0] += 1
+            totals[e["tier"]][1] += e["points"]
+            mistakes = ", ".join(f"`{m}`" for m in known_mistakes(e["function"])) or "-"
+            rows.append(f"| {nb[:2]} | `{e['function']}` | {e['tier']} | {e['points']} | "
+                        f"`{e['checker']}` | {mistakes} |")
+    (nc, pc), (ns, ps) = totals["core"], totals["stretch"]
+    return "\n".join([
+        "# Exercises", "",
+        "Written by `python -m grpo_lab labs` from `solutions/` (do not edit by hand; "
+        "`python -m grpo_lab labs --check` fails when it is stale).", "",
+        f"{nc + ns} exercises: {nc} core ({pc} points), needed later in the course, and {ns} "
+        f"stretch ({ps} points), checked and graded but not needed later (the gradebook "
+        "lists their points apart: columns `stretch`, `stretch_max`). An exercise's "
+        "points come from its cell's metadata, `grpo_lab: {points: N, tier: core|stretch}`.",
+        "", "The last column lists the mistakes a whole-step checker recognises and names "
+        "in its verdict (it reruns the reference with each one put in and reports the one "
+        "that reproduces the submission); the other checkers name theirs in their "
+        "messages (tests/test_checks.py).", "",
+        "| notebook | exercise | tier | points | checker | named mistakes |",
+        "|---|---|---|---|---|---|", *rows, ""])
+
+
 def main(check: bool = False, root: str | Path | None = None, nbgrader: str | None = None,
          assignment: str = "grpo_lab") -> int:
     ROOT = find_root(root)
@@ -373,7 +414,9 @@ def main(check: bool = False, root: str | Path | None = None, nbgrader: str | No
         return 0
     expected = {LABS / p.name: render(student_notebook(p)) for p in sources}
     # the manifest in the checkout's package (the one the next install ships)
-    expected[ROOT / "grpo_lab" / "course" / MANIFEST.name] = manifest_text(sources)
+    text = manifest_text(sources)
+    expected[ROOT / "grpo_lab" / "course" / MANIFEST.name] = text
+    expected[ROOT / EXERCISE_TABLE] = exercise_table(json.loads(text))
     existing = set(LABS.glob("*.ipynb"))
     stale = sorted(existing - set(expected))
     differ = sorted(p for p, text in expected.items()
