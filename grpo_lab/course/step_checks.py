@@ -773,6 +773,60 @@ def check_guarded_update(fn: Callable) -> CheckResult:
     ])
 
 
+def _report003_mutant(mistake: str) -> Callable:
+    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+        if mistake == "k3_kept":
+            return steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
+        if mistake == "one_sided_clamp_missing":
+            kl = (ref_logp - logp).clamp(-10, 10)
+        elif mistake == "delta_reversed":
+            kl = (logp - ref_logp).clamp(-10, 10).clamp(0, 10)
+        else:
+            raise KeyError(mistake)
+        return _with_kl(logp, old_logp, ref_logp, advantages, mask, cfg, kl)
+    return loss
+
+
+REPORT003_MISTAKES = {
+    "k3_kept": "this is k3, the formula report 003 removed: write the report's replacement, "
+    "`delta = (ref_logp - logp).clamp(-10, 10); kl = delta.clamp(0, 10)`",
+    "one_sided_clamp_missing": "the second clamp is missing: the report's kl is "
+    "`delta.clamp(0, 10)`, which drops every token where the policy gives more probability "
+    "than the reference",
+    "delta_reversed": "delta is reversed: the report's delta is `ref - cur`, ref_logp - logp",
+}
+
+
+def check_report003_loss(fn: Callable) -> CheckResult:
+    ref = steps.report003_loss
+    mutants = {k: _report003_mutant(k) for k in REPORT003_MISTAKES}
+
+    def case(seed, **overrides):
+        def run(f):
+            out = drive(f, drive_loss, seed=seed, **overrides)
+            want = drive_loss(ref, seed, **overrides)
+            if "bad_return" in out:
+                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
+            if out["grad"] is None:
+                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
+                               "with respect to logp")
+            _no_advantage_gradient(out)
+            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
+            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
+
+            def mutant_result(m):
+                r = drive_loss(m, seed, **overrides)
+                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
+            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
+                     REPORT003_MISTAKES)
+        return run
+
+    return run_check("report003_loss", fn, ref, [
+        ("beta 0.3", case(0, beta=0.3)), ("beta 1.0, loss_type dapo", case(1, beta=1.0,
+                                                                          loss_type="dapo")),
+    ])
+
+
 MULTINOMIAL = "probability tensor contains"
 
 
@@ -822,11 +876,13 @@ CHECKERS = {"completion_logprobs": check_completion_logprobs,
             "apply_update": check_apply_update, "grpo_step": check_grpo_step,
             "reported_loss": check_reported_loss,
             "clamped_reported_loss": check_clamped_reported_loss,
-            "guarded_update": check_guarded_update, "safe_sample": check_safe_sample}
+            "guarded_update": check_guarded_update, "safe_sample": check_safe_sample,
+            "report003_loss": check_report003_loss}
 MISTAKES = {"completion_logprobs": (LOGPROB_MISTAKES, _logprobs_mutant),
             "grpo_loss": (LOSS_MISTAKES, _loss_mutant),
             "apply_update": (UPDATE_MISTAKES, _update_mutant),
             "grpo_step": (STEP_MISTAKES, _step_mutant),
             "reported_loss": (REPORTED_MISTAKES, _reported_mutant),
             "clamped_reported_loss": (CLAMP_MISTAKES, _clamp_mutant),
-            "guarded_update": (GUARD_MISTAKES, _guard_mutant)}
+            "guarded_update": (GUARD_MISTAKES, _guard_mutant),
+            "report003_loss": (REPORT003_MISTAKES, _report003_mutant)}

@@ -144,6 +144,20 @@ def reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
                   "log_ratio/max_abs": log_ratio.detach().abs().max().item()}
 
 
+def report003_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+    """grpo_loss with report 003's KL "fix" in place of k3 (notebook 09):
+    kl = (ref_logp - logp).clamp(-10, 10).clamp(0, 10). stats: 'kl' (that number, what the
+    report logged) and 'kl_k3' (k3 on the same tokens: the drift it no longer shows)."""
+    per_token, clipped = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
+                                           cfg.epsilon_high, cfg.log_ratio_clamp)  # (B, C)
+    kl = (ref_logp - logp).clamp(-10, 10).clamp(0, 10)  # (B, C)
+    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
+    loss = ((per_token + cfg.beta * kl) * weights).sum()
+    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
+                  "kl_k3": masked_mean(kl_k3(logp, ref_logp).detach(), completion_mask).item(),
+                  "clip_ratio/region_mean": masked_mean(clipped.float(), completion_mask).item()}
+
+
 def clamped_reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
     """reported_loss with the reports' first fix (notebook 06): the summed log-ratio clamped
     to [-cfg.log_ratio_clamp, cfg.log_ratio_clamp] before `exp`, so it cannot overflow."""
