@@ -131,6 +131,17 @@ def drive_sample(fn, seed: int = 0, fault: str | None = None) -> dict:
     return {"ids": ids if isinstance(ids, torch.Tensor) else None}
 
 
+def drive_sample_tokens(fn, seed: int = 0, temperature: float = 0.7) -> dict:
+    """Four prompts of different lengths, each twice, through fn with the tiny GPT-2."""
+    model, tokenizer = _tiny()
+    prompts = ["1+2=", "12+34=", "99+99=", "7+80="] * 2
+    ids, mask = encode_prompts(tokenizer, prompts, torch.device("cpu"))
+    torch.manual_seed(seed)
+    out = fn(copy.deepcopy(model).eval(), ids, mask, 6, temperature, tokenizer.eos_token_id,
+             tokenizer.pad_token_id)
+    return {"ids": out}
+
+
 def _batch(seed: int, C: int = 4):
     """A left-padded batch of prompts of different lengths, each followed by C ids."""
     _, tokenizer = _tiny()
@@ -183,7 +194,8 @@ def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
 # the drivers a grading worker may run, by name (each checker module keeps its own)
 DRIVERS: dict[str, Callable] = {f.__name__: f for f in (drive_step, drive_update,
                                                         drive_logprobs, drive_loss,
-                                                        drive_guarded, drive_sample)}
+                                                        drive_guarded, drive_sample,
+                                                        drive_sample_tokens)}
 
 
 def drive(fn, driver: Callable, **params) -> dict:
@@ -827,6 +839,65 @@ def check_report003_loss(fn: Callable) -> CheckResult:
     ])
 
 
+def _sampler_mutant(mistake: str) -> Callable:
+    def fn(model, ids, mask, n, temperature, eos, pad):
+        if mistake == "no_position_ids":
+            seq, out = ids, []
+            m = mask
+            for _ in range(n):
+                logits = model(input_ids=seq, attention_mask=m).logits[:, -1].float()
+                token = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+                seq, m = torch.cat([seq, token], 1), torch.cat([m, torch.ones_like(token)], 1)
+            out = seq[:, ids.shape[1]:]
+            ended = (out == eos).long().cumsum(-1) - (out == eos).long() > 0
+            return out.masked_fill(ended, pad)
+        if mistake == "temperature_ignored":
+            return steps.sample_tokens(model, ids, mask, n, 1.0, eos, pad)
+        if mistake == "no_padding_after_eos":
+            return steps.sample_tokens(model, ids, mask, n, temperature, -1, pad)
+        if mistake == "greedy":
+            return steps.sample_tokens(model, ids, mask, n, 1e-4, eos, pad)
+        raise KeyError(mistake)
+    return fn
+
+
+SAMPLER_MISTAKES = {
+    "no_position_ids": "no position ids: a left-padded row then sees its tokens at shifted "
+    "positions; pass position_ids from the mask (and the next position, one more, at each step)",
+    "temperature_ignored": "the temperature is missing: sample from softmax(logits / "
+    "temperature)",
+    "no_padding_after_eos": "a row goes on after its EOS: from the step after a row's first "
+    "EOS, write pad_token_id, and stop when every row is done",
+    "greedy": "this is greedy decoding (argmax): GRPO needs G different samples per prompt; "
+    "draw with torch.multinomial",
+}
+
+
+def check_sample_tokens(fn: Callable) -> CheckResult:
+    ref = steps.sample_tokens
+    mutants = {k: _sampler_mutant(k) for k in SAMPLER_MISTAKES}
+
+    def case(seed, temperature):
+        def run(f):
+            out = drive(f, drive_sample_tokens, seed=seed, temperature=temperature)["ids"]
+            want = drive_sample_tokens(ref, seed, temperature)["ids"]
+            if isinstance(out, torch.Tensor) and out.shape == want.shape and torch.equal(out, want):
+                return
+            for name, m in mutants.items():
+                other = drive_sample_tokens(m, seed, temperature)["ids"]
+                if isinstance(out, torch.Tensor) and out.shape == other.shape and \
+                        torch.equal(out, other):
+                    raise Mismatch(f"the sampled ids differ from the reference's (same seed): "
+                                   f"{SAMPLER_MISTAKES[name]}")
+            _expect(out, want, "the sampled completion ids (same seed, same draws)")
+        return run
+
+    return run_check("sample_tokens", fn, ref, [
+        ("left-padded prompts, T = 0.7, seed 0", case(0, 0.7)),
+        ("T = 1.3, seed 1", case(1, 1.3)),
+    ])
+
+
 MULTINOMIAL = "probability tensor contains"
 
 
@@ -877,7 +948,7 @@ CHECKERS = {"completion_logprobs": check_completion_logprobs,
             "reported_loss": check_reported_loss,
             "clamped_reported_loss": check_clamped_reported_loss,
             "guarded_update": check_guarded_update, "safe_sample": check_safe_sample,
-            "report003_loss": check_report003_loss}
+            "report003_loss": check_report003_loss, "sample_tokens": check_sample_tokens}
 MISTAKES = {"completion_logprobs": (LOGPROB_MISTAKES, _logprobs_mutant),
             "grpo_loss": (LOSS_MISTAKES, _loss_mutant),
             "apply_update": (UPDATE_MISTAKES, _update_mutant),
@@ -885,4 +956,5 @@ MISTAKES = {"completion_logprobs": (LOGPROB_MISTAKES, _logprobs_mutant),
             "reported_loss": (REPORTED_MISTAKES, _reported_mutant),
             "clamped_reported_loss": (CLAMP_MISTAKES, _clamp_mutant),
             "guarded_update": (GUARD_MISTAKES, _guard_mutant),
-            "report003_loss": (REPORT003_MISTAKES, _report003_mutant)}
+            "report003_loss": (REPORT003_MISTAKES, _report003_mutant),
+            "sample_tokens": (SAMPLER_MISTAKES, _sampler_mutant)}

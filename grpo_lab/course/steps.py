@@ -51,7 +51,7 @@ from ..objective import (
     token_weights,
 )
 from ..policy import load_policy
-from ..sampling import encode_prompts, greedy_accuracy, sample_group
+from ..sampling import decode_loop, encode_prompts, greedy_accuracy, sample_group
 from ..tasks import Problem, ProblemStream, addition_reward, eval_problems
 from ..trainer import SPIKE_WINDOW, to_json_line
 from .checks import reference_clip_grad_norm, reference_sanitize_logits, reference_should_skip
@@ -94,6 +94,24 @@ def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
     return Run(cfg=cfg, policy=policy, reference=frozen_copy(policy), optimizer=optimizer,
                tokenizer=tokenizer, reward_fn=reward_fn, stream=ProblemStream(cfg.seed),
                eval_problems=eval_problems(cfg.eval_size))
+
+
+# --- sampling, written out (notebook 01) ----------------------------------------------------
+def sample_tokens(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float,
+                  eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """(B, P) left-padded prompt ids and mask -> (B, C) sampled completion ids, C <=
+    max_new_tokens: `sampling.decode_loop` with every row on its own (no prompt sharing),
+    no top-k / top-p: softmax(logits / temperature) at each row's last position, position
+    ids from the mask, a KV cache, pad_token_id after a row's EOS, stop when all are done."""
+    class Tokens:  # what decode_loop reads of a tokenizer
+        pass
+
+    tokens = Tokens()
+    tokens.eos_token_id, tokens.pad_token_id = eos_token_id, pad_token_id
+    with torch.no_grad():
+        ids, _ = decode_loop(model, tokens, prompt_ids, prompt_mask, 1, max_new_tokens,
+                             temperature, 0, 1.0, False)
+    return ids
 
 
 # --- the pieces of one step (notebook 04) --------------------------------------------------
