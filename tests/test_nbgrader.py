@@ -31,8 +31,10 @@ def test_source_cells_carry_nbgrader_metadata():
     meta = [c.metadata["nbgrader"] for c in nb.cells]
     solutions = [m["grade_id"] for m in meta if m["solution"]]
     tests = [(m["grade_id"], m["points"]) for m in meta if m["grade"]]
-    assert solutions == ["kl_k3", "clipped_surrogate", "token_weights"]
-    assert tests == [("test_kl_k3", 1), ("test_clipped_surrogate", 1), ("test_token_weights", 1)]
+    core = ["kl_k3", "clipped_surrogate", "token_weights"]
+    stretch = ["dual_clip_surrogate", "clip_higher_fractions", "sequence_level_ratio"]
+    assert solutions == core + stretch
+    assert tests == [(f"test_{name}", 1) for name in core + stretch]
     assert all(m["locked"] for m in meta if not m["solution"])
     assert len({m["grade_id"] for m in meta}) == len(meta)
 
@@ -54,7 +56,7 @@ def test_nbgrader_generates_and_autogrades_the_course(tmp_path):
     assert sorted(x.name for x in released.glob("*.ipynb")) == NOTEBOOKS
     lab = nbformat.read(released / NOTEBOOKS[1], as_version=4)
     stub = [c.source for c in lab.cells if c.metadata["nbgrader"].get("solution")]
-    assert len(stub) == 1 and "raise NotImplementedError()" in stub[0]
+    assert len(stub) == 3 and all("raise NotImplementedError()" in s for s in stub)  # + stretch
     assert "keepdim" not in stub[0] and "# Hint:" in stub[0]  # nbgrader's stub, our hint
     assert not any("### BEGIN" in c.source for c in lab.cells)
 
@@ -80,4 +82,4 @@ def test_nbgrader_generates_and_autogrades_the_course(tmp_path):
         got = {nb.name: (nb.score, nb.max_score)
                for nb in gb.find_submission("ps1", "bob").notebooks}
     assert got == {"00_setup_and_diagnostics": (0.0, 1.0),
-                   "02_rewards_and_advantages": (1.0, 1.0)}
+                   "02_rewards_and_advantages": (3.0, 3.0)}
