@@ -30,9 +30,9 @@ from pathlib import Path
 
 import nbformat
 
-from . import checks, step_checks, stretch
+from . import checks, hardening_checks, step_checks, stretch
 
-CHECKER_MODULES = (checks, step_checks, stretch)
+CHECKER_MODULES = (checks, step_checks, hardening_checks, stretch)
 
 MANIFEST = Path(__file__).with_name("exercises.json")
 CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")

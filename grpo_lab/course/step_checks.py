@@ -898,6 +898,176 @@ def check_sample_tokens(fn: Callable) -> CheckResult:
     ])
 
 
+def _row(step, **kw):
+    return {"step": step, **kw}
+
+
+def check_diagnose(fn: Callable) -> CheckResult:
+    ref = steps.diagnose
+    nan = float("nan")
+    crashed = [_row(0, nonfinite_params=0), _row(1, grad_norm=2.0, nonfinite_params=0,
+               **{"log_ratio/max_abs": 0.0}),
+               _row(2, grad_norm=8e4, nonfinite_params=0, **{"log_ratio/max_abs": 30.0}),
+               _row(3, grad_norm=0.5, nonfinite_params=0, **{"log_ratio/max_abs": 52.0}),
+               _row(4, grad_norm=nan, nonfinite_params=800, **{"log_ratio/max_abs": 207.0}),
+               _row(5, grad_norm=1e9, nonfinite_params=800, **{"log_ratio/max_abs": nan})]
+    healthy = [_row(0), _row(1, grad_norm=3.0, nonfinite_params=0),
+               _row(2, grad_norm=1.0, nonfinite_params=0)]
+
+    def case(history, what):
+        def run(f):
+            got, want = f([dict(m) for m in history]), ref(history)
+            if not isinstance(got, dict):
+                raise Mismatch(f"return a dict with {sorted(want)}; got {type(got).__name__}")
+            for k, v in want.items():
+                if k not in got:
+                    raise Mismatch(f"{what}: no {k!r} in your dict")
+                g = got[k]
+                same = g == v if v is None or isinstance(v, int) else (
+                    isinstance(g, (int, float)) and math.isclose(g, v, rel_tol=1e-9))
+                if not same:
+                    hint = {"max_grad_norm": " (only finite norms, and only up to the last "
+                            "healthy step: the broken step's norm is NaN)",
+                            "max_log_ratio": " (up to the last healthy step: the step that "
+                            "broke is where exp overflowed, not the drift before it)",
+                            "last_healthy_step": " (the step before the first broken one)"}
+                    raise Mismatch(f"{what}: {k} is {g!r}, expected {v!r}{hint.get(k, '')}")
+        return run
+
+    return run_check("diagnose", fn, ref, [
+        ("a run that broke at step 4", case(crashed, "a run that broke at step 4")),
+        ("a run that never broke", case(healthy, "a run that never broke")),
+    ])
+
+
+def check_compare_histories(fn: Callable) -> CheckResult:
+    ref = steps.compare_histories
+    nan = float("nan")
+    a = [_row(0, **{"eval/accuracy": 0.4}), _row(1, reward=0.5, loss=0.1),
+         _row(2, reward=0.25, loss=nan), _row(3, reward=0.75, loss=0.2)]
+    b = [_row(0, **{"eval/accuracy": 0.375}), _row(1, reward=0.5, loss=0.1),
+         _row(2, reward=0.5, loss=nan), _row(3, reward=0.75, loss=0.3),
+         _row(4, reward=1.0, loss=0.0)]
+    c = [_row(1, reward=0.5, loss=nan), _row(3, reward=0.7)]
+
+    def case(x, y, keys, what):
+        def run(f):
+            got, want = f([dict(m) for m in x], [dict(m) for m in y], list(keys)), ref(x, y, keys)
+            if not isinstance(got, dict) or set(got) != set(want):
+                raise Mismatch(f"{what}: return a dict with one entry per key, {sorted(want)}")
+            for k, v in want.items():
+                g = got[k]
+                if not (isinstance(g, (int, float)) and (g == v or math.isclose(g, v, abs_tol=1e-12))):
+                    why = {math.inf: " (one run NaN where the other is not: inf)",
+                           0.0: " (compare only the steps both runs logged the key at; two "
+                                "NaNs agree)"}.get(v, "")
+                    raise Mismatch(f"{what}: {k} is {g!r}, expected {v!r}{why}")
+        return run
+
+    return run_check("compare_histories", fn, ref, [
+        ("steps matched by 'step', a NaN in both", case(a, b, ("reward", "loss", "eval/accuracy"),
+                                                        "two runs")),
+        ("NaN in one run only, a key one row lacks", case(a, c, ("reward", "loss"), "other runs")),
+    ])
+
+
+def reference_rank_token_weights(completion_mask, loss_type: str, max_completion_length: int,
+                                 global_rows: int, global_tokens: float):
+    """objective.token_weights of one rank's rows, normalised over the global batch."""
+    return token_weights(completion_mask, loss_type, max_completion_length,
+                                   n_sequences=global_rows, n_tokens=global_tokens)
+
+
+def check_rank_token_weights(fn: Callable) -> CheckResult:
+    ref = reference_rank_token_weights
+    g = _gen(12)
+
+    def case(loss_type, rows, world):
+        def run(f):
+            lengths = torch.randint(0, 6, (rows * world,), generator=g)
+            mask = (torch.arange(5)[None] < lengths[:, None]).long()  # (rows * world, 5)
+            total = float(mask.sum())
+            whole = token_weights(mask, loss_type, 5)
+            parts = []
+            for r in range(world):
+                local = mask[r * rows:(r + 1) * rows]
+                got = f(local, loss_type, 5, rows * world, total)
+                _expect(got, ref(local, loss_type, 5, rows * world, total),
+                        f"rank {r}'s weights ({loss_type}, {world} ranks)")
+                parts.append(got)
+            _expect(torch.cat(parts), whole, "the ranks' weights put together (they must be "
+                    "the one-process weights)")
+        return run
+
+    return run_check("rank_token_weights", fn, ref, [
+        (f"{t}, {w} ranks of {r} rows (some rows empty)", case(t, r, w))
+        for t, r, w in (("grpo", 3, 2), ("dr_grpo", 2, 3), ("bnpo", 4, 2), ("dapo", 3, 2))])
+
+
+def reference_completion_mask_any_eos(completion_ids: torch.Tensor,
+                                      eos_token_ids: list[int]) -> torch.Tensor:
+    """(B, C) ids -> (B, C) long: 1 up to and including the first token that is any of
+    eos_token_ids, 0 after it (sampling.completion_mask_from_ids for several end ids)."""
+    ends = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    return (ends.long().cumsum(-1) - ends.long() == 0).long()
+
+
+def check_completion_mask_any_eos(fn: Callable) -> CheckResult:
+    ref = reference_completion_mask_any_eos
+    ids = torch.tensor([[3, 4, 0, 1, 1], [5, 9, 6, 1, 1], [0, 1, 1, 1, 1], [2, 3, 4, 5, 6],
+                        [9, 0, 9, 0, 1]])
+
+    def case(stop, what):
+        def run(f):
+            got = f(ids.clone(), list(stop))
+            if isinstance(got, torch.Tensor) and got.dtype == torch.bool:
+                got = got.long()
+            _expect(got, ref(ids, list(stop)), what)
+        return run
+
+    return run_check("completion_mask_any_eos", fn, ref, [
+        ("one end id", case([0], "the mask with end id 0")),
+        ("two end ids, a row ending at each, one at neither",
+         case([0, 9], "the mask with end ids 0 and 9 (a row ends at the FIRST of any)")),
+    ])
+
+
+def reference_training_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes AdamW training keeps per parameter tensor: the weights, and for a trainable one
+    its gradient and AdamW's two moment estimates too, each the weights' size (notebook 00)."""
+    return sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1)
+               for p in model.parameters())
+
+
+def check_training_state_bytes(fn: Callable) -> CheckResult:
+    ref = reference_training_state_bytes
+
+    def case(model, what):
+        def run(f):
+            got = f(model)
+            want = ref(model)
+            if got == 4 * sum(p.numel() * p.element_size() for p in model.parameters()) != want:
+                raise Mismatch(f"{what}: a frozen parameter (requires_grad False) has no "
+                               "gradient and no AdamW moments: count its weights only")
+            if got == ref_float32(model) != want:
+                raise Mismatch(f"{what}: not every tensor is float32: use p.element_size(), "
+                               "the bytes of one entry")
+            _expect(got, want, f"{what}: the bytes")
+        return run
+
+    def ref_float32(model):
+        return sum(p.numel() * 4 * (4 if p.requires_grad else 1) for p in model.parameters())
+
+    frozen = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    frozen[0].requires_grad_(False)
+    half = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2).half())
+    return run_check("training_state_bytes", fn, ref, [
+        ("a 3 -> 4 linear layer", case(torch.nn.Linear(3, 4), "a linear layer")),
+        ("a frozen first layer", case(frozen, "a frozen first layer")),
+        ("a float16 layer", case(half, "a float16 layer")),
+    ])
+
+
 MULTINOMIAL = "probability tensor contains"
 
 

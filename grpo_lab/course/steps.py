@@ -75,6 +75,7 @@ class Run:
     # what the hardening notebooks keep between steps
     recent_grad_norms: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     snapshot: Snapshot | None = None  # the last healthy parameters and optimizer state (07)
+    rolled_back: int = 0  # 1 when the last update was undone by a rollback (07)
     history: list[dict] = field(default_factory=list)
 
 
@@ -93,7 +94,9 @@ def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
                             lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return Run(cfg=cfg, policy=policy, reference=frozen_copy(policy), optimizer=optimizer,
                tokenizer=tokenizer, reward_fn=reward_fn, stream=ProblemStream(cfg.seed),
-               eval_problems=eval_problems(cfg.eval_size))
+               eval_problems=eval_problems(cfg.eval_size),
+               # the step-0 snapshot a health check rolls back to, as Trainer takes it
+               snapshot=Snapshot(policy, optimizer, 0) if cfg.health_check else None)
 
 
 # --- sampling, written out (notebook 01) ----------------------------------------------------
@@ -278,6 +281,37 @@ def safe_sample(model, tokenizer, prompts: list[str], group_size: int, max_new_t
                         top_k, top_p, sanitize=reference_sanitize_logits)
 
 
+# --- reading runs (notebooks 05 and 11) -----------------------------------------------------
+def diagnose(history: list[dict]) -> dict:
+    """A crashed run's metrics -> what broke and when (notebook 05). Rows may lack keys.
+
+    returns {"first_bad_step": the first step with nonfinite_params > 0, or None;
+             "last_healthy_step": the last step before it (the last step when none broke);
+             "max_grad_norm": the largest finite grad_norm up to the last healthy step;
+             "max_log_ratio": the largest log_ratio/max_abs up to the last healthy step}
+    (the two maxima 0.0 when no row has the key)"""
+    bad = next((m["step"] for m in history if m.get("nonfinite_params", 0) > 0), None)
+    before = [m for m in history if bad is None or m["step"] < bad]
+    norms = [m["grad_norm"] for m in before if "grad_norm" in m and math.isfinite(m["grad_norm"])]
+    ratios = [m["log_ratio/max_abs"] for m in before if "log_ratio/max_abs" in m]
+    return {"first_bad_step": bad, "last_healthy_step": max(m["step"] for m in before),
+            "max_grad_norm": max(norms, default=0.0), "max_log_ratio": max(ratios, default=0.0)}
+
+
+def compare_histories(yours: list[dict], theirs: list[dict], keys) -> dict[str, float]:
+    """Two runs' metrics, row by row -> for each key the largest |yours - theirs| over the
+    steps both runs logged it at (matched by "step"); inf where one value is NaN and the
+    other is not, 0 where both are NaN (notebook 11)."""
+    by_step = {m["step"]: m for m in theirs}
+    gaps = {}
+    for k in keys:
+        pairs = [(m[k], by_step[m["step"]][k]) for m in yours
+                 if k in m and k in by_step.get(m["step"], {})]
+        gaps[k] = max((0.0 if a != a and b != b else math.inf if (a != a) != (b != b)
+                       else abs(a - b) for a, b in pairs), default=0.0)
+    return gaps
+
+
 # --- faults, injected into a learner's run (the package's fault injector, field/faults.py) -----
 LEARNER_FAULTS = ("nan-grads", "loss-spike", "nan-logits", "nan-rewards", "nan-params",
                   "inf-params")
@@ -306,13 +340,22 @@ def with_fault(run: Run, step_fn: Callable, fault: str, at: int = INJECT_AT) -> 
     elif fault in ("nan-params", "inf-params"):
         value = float("nan") if fault == "nan-params" else float("inf")
 
-        def update(r):
-            out = update_fn(r)
-            if due():
-                with torch.no_grad():
-                    first().view(-1)[0] = value
-            return out
-        kw["update_fn"] = update
+        def poisoned(inner: Callable) -> Callable:
+            def update(r):
+                out = inner(r)
+                if due():
+                    with torch.no_grad():
+                        first().view(-1)[0] = value
+                return out
+            return update
+        if isinstance(update_fn, partial) and "update_fn" in update_fn.keywords:
+            # a health check around an update (notebook 07): the weight goes bad after the
+            # update and before the check, as the fault injector does it to Trainer
+            inner = update_fn.keywords["update_fn"]
+            kw["update_fn"] = partial(update_fn.func, *update_fn.args,
+                                      **{**update_fn.keywords, "update_fn": poisoned(inner)})
+        else:
+            kw["update_fn"] = poisoned(update_fn)
     elif fault == "loss-spike":
         def loss(*args):
             value, stats = loss_fn(*args)
@@ -349,6 +392,9 @@ def _exercise_names() -> set[str]:
 
 def whose(fn) -> str:
     """'grpo_loss (yours)', 'grpo_loss (yours, notebook 04)' or 'grpo_loss (reference)'."""
+    if isinstance(fn, partial):  # e.g. healthy_update around guarded_update
+        inner = [whose(v) for v in fn.keywords.values() if callable(v)]
+        return whose(fn.func) + (" around " + ", ".join(inner) if inner else "")
     name = getattr(fn, "__name__", type(fn).__name__)
     module = getattr(fn, "__module__", None) or ""
     if module.startswith("grpo_lab"):
@@ -409,7 +455,9 @@ def train(run: Run, step_fn: Callable, steps: int | None = None,
     try:
         while run.step_count < total:
             t0 = time.perf_counter()
+            run.rolled_back = 0
             m = step_fn(run, run.stream.sample(cfg.prompts_per_step))
+            m.setdefault("rolled_back", run.rolled_back)
             m["nonfinite_params"] = 0 if all_finite(run.policy) else nonfinite_params(run.policy)
             if m["nonfinite_params"] == 0 and (
                     run.step_count == total or (every > 0 and run.step_count % every == 0)):

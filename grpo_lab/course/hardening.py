@@ -1,0 +1,121 @@
+"""The learner's trainer, hardened: reference versions of what notebooks 07 and 08 have the
+learner add to the step they wrote in notebook 04 (steps.grpo_step), and nothing else.
+
+Notebook 07, the parameter health check and rollback, as an `update_fn` of that step:
+
+    health_check       after an update: any NaN/inf parameter -> restore run.snapshot (weights
+                       and optimizer state), else keep a new snapshot every snapshot_every steps
+    healthy_update     update_fn(run), then health_check(run); run.rolled_back says whether
+                       this step was undone
+
+Notebook 08, exact gradient accumulation:
+
+    accumulated_grpo_step   grpo_step with the loss's gradient accumulated over
+                            cfg.grad_accum_steps micro-batches of the batch's rows, then one
+                            update: the same update as the full batch's, for every loss type
+
+Both compute what the package's `Trainer` computes with the same switches (`health_check`,
+`snapshot_every`; `grad_accum_steps`): `Trainer._check_health` and `Trainer.backward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..health import Snapshot, nonfinite_params
+from ..objective import completion_logprobs, group_advantages, token_weights
+from ..sampling import sample_group
+from ..tasks import Problem
+from ..trainer import micro_batch_slices
+from .steps import LossFn, Run, apply_update
+
+
+# --- notebook 07: health checks and rollback --------------------------------------------------
+def health_check(run: Run) -> int:
+    """The parameter health check, run by the update function right after an update (so
+    before the step counts itself: the step this update belongs to is run.step_count + 1).
+
+    Any NaN or +-inf entry in run.policy's parameters: restore run.snapshot (weights *and*
+    optimizer state, `Snapshot.restore`) and return 1. Otherwise, when that step is a
+    multiple of cfg.snapshot_every, keep a new `Snapshot(run.policy, run.optimizer, step)`;
+    return 0. run.snapshot must hold one before the first step (the snapshot of step 0, as
+    `Trainer` takes it when it starts). `Trainer._check_health` with health_check on."""
+    if nonfinite_params(run.policy):
+        run.snapshot.restore(run.policy, run.optimizer)
+        return 1
+    step = run.step_count + 1
+    if step % run.cfg.snapshot_every == 0:
+        run.snapshot = Snapshot(run.policy, run.optimizer, step)
+    return 0
+
+
+def healthy_update(run: Run, update_fn: Callable = apply_update) -> tuple[float, int]:
+    """An update_fn with the health check behind it: `update_fn(run)` (apply_update,
+    guarded_update, ...), then `health_check(run)`. Returns update_fn's (grad_norm, skipped)
+    unchanged and sets run.rolled_back to health_check's answer (1: this step's weights were
+    replaced by the last snapshot's; 0: they were healthy). A rollback is not a skipped
+    update: the update did reach the weights, and the restore undoes every step since the
+    snapshot, not only this one."""
+    grad_norm, skipped = update_fn(run)
+    run.rolled_back = health_check(run)
+    return grad_norm, skipped
+
+
+# --- notebook 08: exact gradient accumulation ---------------------------------------------------
+def accumulated_grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
+                          update_fn: Callable = apply_update,
+                          sample_fn: Callable = sample_group) -> dict:
+    """steps.grpo_step with the gradient of the step's loss accumulated over
+    cfg.grad_accum_steps micro-batches (micro_batch_slices of the B rows), then one update.
+
+    The loss of a micro-batch, `loss_fn(...)` on its rows, is normalised by that micro-batch
+    alone (token_weights of its own mask); multiplied by
+
+        scale_k = token_weights(whole mask)[rows_k].sum() / token_weights(mask[rows_k]).sum()
+
+    it becomes the whole batch's loss restricted to those rows (for every loss type the
+    micro-batch's weights are the whole batch's times one constant), so the scaled losses
+    sum to the full-batch loss and their gradients, which backward() adds into .grad, to the
+    full-batch gradient. Metrics as grpo_step's: 'loss' is that sum, each entry of the loss's
+    stats the mean of the micro-batches' values weighted by their completion tokens (exact
+    for token means: kl, clip_ratio/region_mean)."""
+    cfg = run.cfg
+    G = cfg.group_size
+    rollout = sample_fn(run.policy, run.tokenizer, [p.prompt for p in problems], G,
+                        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    answers = [p.answer for p in problems for _ in range(G)]
+    rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
+                                         truncated=rollout.truncated.tolist()),
+                           dtype=torch.float32)  # (B,)
+    advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)  # (B,)
+    ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
+    mask = rollout.completion_mask  # (B, C)
+    with torch.no_grad():
+        ref_logp = completion_logprobs(run.reference, ids, attention, C, cfg.temperature)
+    whole = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C)
+    n_tokens = max(int(mask.sum()), 1)
+    run.optimizer.zero_grad(set_to_none=True)  # once, before the loop
+    loss, stats = 0.0, {}
+    for rows in micro_batch_slices(len(rewards), cfg.grad_accum_steps):
+        logp = completion_logprobs(run.policy, ids[rows], attention[rows], C,
+                                   cfg.temperature)  # (b, C)
+        part, part_stats = loss_fn(logp, logp.detach(), ref_logp[rows], advantages[rows],
+                                   mask[rows], cfg)
+        own = token_weights(mask[rows], cfg.loss_type, cfg.max_new_tokens).sum()
+        scale = (whole[rows].sum() / own).item() if own > 0 else 0.0
+        (part * scale).backward()  # adds into .grad
+        loss += part.item() * scale
+        share = int(mask[rows].sum()) / n_tokens
+        for k, v in part_stats.items():
+            stats[k] = stats.get(k, 0.0) + float(v) * share
+    grad_norm, skipped = update_fn(run)  # once, after the loop
+    run.step_count += 1
+    groups = rewards.view(-1, G)
+    return {"step": run.step_count, "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
+            "loss": loss, "kl": 0.0, "grad_norm": grad_norm,
+            "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped,
+            **stats}
