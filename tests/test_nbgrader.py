@@ -81,5 +81,5 @@ def test_nbgrader_generates_and_autogrades_the_course(tmp_path):
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         got = {nb.name: (nb.score, nb.max_score)
                for nb in gb.find_submission("ps1", "bob").notebooks}
-    assert got == {"00_setup_and_diagnostics": (0.0, 1.0),
+    assert got == {"00_setup_and_diagnostics": (0.0, 2.0),
                    "02_rewards_and_advantages": (3.0, 3.0)}
