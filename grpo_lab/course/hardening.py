@@ -88,7 +88,7 @@ def accumulated_grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     answers = [p.answer for p in problems for _ in range(G)]
     rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
                                          truncated=rollout.truncated.tolist()),
-                           dtype=torch.float32)  # (B,)
+                           dtype=torch.float32, device=rollout.input_ids.device)  # (B,)
     advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)  # (B,)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask  # (B, C)

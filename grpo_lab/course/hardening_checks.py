@@ -390,7 +390,7 @@ def _accumulated_variant(run, problems, loss_fn, update_fn, mistake: str) -> dic
     answers = [p.answer for p in problems for _ in range(G)]
     rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
                                          truncated=rollout.truncated.tolist()),
-                           dtype=torch.float32)
+                           dtype=torch.float32, device=rollout.input_ids.device)
     advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask
