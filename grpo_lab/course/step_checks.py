@@ -434,6 +434,34 @@ def _no_advantage_gradient(out: dict) -> None:
                        "`advantages.detach()` in the loss")
 
 
+def check_loss(name: str, fn: Callable, ref: Callable, cases: list[tuple[str, dict]],
+               catalog: dict[str, str] | None = None, make_mutant: Callable | None = None
+               ) -> CheckResult:
+    """The check of a loss of the learner's trainer: on each case (drive_loss's parameters)
+    the loss and its gradient with respect to logp must be the reference's, no gradient may
+    reach the advantages, and where they differ the known mistake that gives the learner's
+    numbers is named."""
+    mutants = {k: make_mutant(k) for k in catalog or {}}
+
+    def flat(r: dict) -> torch.Tensor:
+        return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
+
+    def case(params):
+        def run(f):
+            out, want = drive(f, drive_loss, **params), drive_loss(ref, **params)
+            if "bad_return" in out:
+                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
+            if out["grad"] is None:
+                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
+                               "with respect to logp")
+            _no_advantage_gradient(out)
+            _compare(flat(out), flat(want), "the loss or its gradient", mutants,
+                     lambda m: flat(drive_loss(m, **params)), catalog or {})
+        return run
+
+    return run_check(name, fn, ref, [(what, case(params)) for what, params in cases])
+
+
 def check_completion_logprobs(fn: Callable) -> CheckResult:
     ref = completion_logprobs
     mutants = {k: _logprobs_mutant(k) for k in LOGPROB_MISTAKES}
@@ -460,53 +488,16 @@ def check_completion_logprobs(fn: Callable) -> CheckResult:
 
 
 def check_reinforce_loss(fn: Callable) -> CheckResult:
-    ref = steps.reinforce_loss
-
-    def case(seed):
-        def run(f):
-            out, want = drive(f, drive_loss, seed=seed), drive_loss(ref, seed)
-            if "bad_return" in out:
-                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
-            if out["grad"] is None:
-                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
-                               "with respect to logp")
-            _no_advantage_gradient(out)
-            _expect(out["loss"], want["loss"], "the loss", **STEP_TOL)
-            _expect(out["grad"], want["grad"], "the gradient with respect to logp", **STEP_TOL)
-        return run
-
-    return run_check("reinforce_loss", fn, ref, [
-        ("completions of different lengths", case(0)), ("another batch", case(1))])
+    return check_loss("reinforce_loss", fn, steps.reinforce_loss, [
+        ("completions of different lengths", dict(seed=0)), ("another batch", dict(seed=1))])
 
 
 def check_grpo_loss(fn: Callable) -> CheckResult:
-    ref = steps.grpo_loss
-    mutants = {k: _loss_mutant(k) for k in LOSS_MISTAKES}
-
-    def case(seed, **overrides):
-        def run(f):
-            out, want = drive(f, drive_loss, seed=seed, **overrides), drive_loss(ref, seed, **overrides)
-            if "bad_return" in out:
-                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
-            if out["grad"] is None:
-                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
-                               "with respect to logp")
-            _no_advantage_gradient(out)
-            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
-            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
-
-            def mutant_result(m):
-                r = drive_loss(m, seed, **overrides)
-                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
-            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
-                     LOSS_MISTAKES)
-        return run
-
-    return run_check("grpo_loss", fn, ref, [
-        ("loss_type grpo", case(0)), ("loss_type dr_grpo", case(1, loss_type="dr_grpo")),
-        ("loss_type dapo, beta 0.2", case(2, loss_type="dapo", beta=0.2)),
-        ("asymmetric clip 0.2 / 0.28", case(3, epsilon_high=0.28)),
-    ])
+    return check_loss("grpo_loss", fn, steps.grpo_loss, [
+        ("loss_type grpo", dict(seed=0)), ("loss_type dr_grpo", dict(seed=1, loss_type="dr_grpo")),
+        ("loss_type dapo, beta 0.2", dict(seed=2, loss_type="dapo", beta=0.2)),
+        ("asymmetric clip 0.2 / 0.28", dict(seed=3, epsilon_high=0.28)),
+    ], LOSS_MISTAKES, _loss_mutant)
 
 
 def check_apply_update(fn: Callable) -> CheckResult:
@@ -611,32 +602,10 @@ REPORTED_MISTAKES = {
 
 
 def check_reported_loss(fn: Callable) -> CheckResult:
-    ref = steps.reported_loss
-    mutants = {k: _reported_mutant(k) for k in REPORTED_MISTAKES}
-
-    def case(seed, **overrides):
-        def run(f):
-            out, want = drive(f, drive_loss, seed=seed, **overrides), drive_loss(ref, seed, **overrides)
-            if "bad_return" in out:
-                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
-            if out["grad"] is None:
-                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
-                               "with respect to logp")
-            _no_advantage_gradient(out)
-            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
-            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
-
-            def mutant_result(m):
-                r = drive_loss(m, seed, **overrides)
-                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
-            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
-                     REPORTED_MISTAKES)
-        return run
-
-    return run_check("reported_loss", fn, ref, [
-        ("the reports' config (beta 0.05)", case(0, beta=0.05)),
-        ("another batch, beta 0", case(1, beta=0.0)),
-    ])
+    return check_loss("reported_loss", fn, steps.reported_loss, [
+        ("the reports' config (beta 0.05)", dict(seed=0, beta=0.05)),
+        ("another batch, beta 0", dict(seed=1, beta=0.0)),
+    ], REPORTED_MISTAKES, _reported_mutant)
 
 
 def _clamp_mutant(mistake: str) -> Callable:
@@ -667,36 +636,13 @@ CLAMP_MISTAKES = {
 
 
 def check_clamped_reported_loss(fn: Callable) -> CheckResult:
-    ref = steps.clamped_reported_loss
-    mutants = {k: _clamp_mutant(k) for k in CLAMP_MISTAKES}
-
-    def case(seed, **overrides):
-        def run(f):
-            out = drive(f, drive_loss, seed=seed, **overrides)
-            want = drive_loss(ref, seed, **overrides)
-            if "bad_return" in out:
-                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
-            if out["grad"] is None:
-                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
-                               "with respect to logp")
-            _no_advantage_gradient(out)
-            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
-            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
-
-            def mutant_result(m):
-                r = drive_loss(m, seed, **overrides)
-                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
-            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
-                     CLAMP_MISTAKES)
-        return run
-
     # a clamp of 0.5 binds on the fixed batch's summed log-ratios (they reach ~2)
-    return run_check("clamped_reported_loss", fn, ref, [
-        ("clamp 0.5, beta 0.05", case(0, beta=0.05, log_ratio_clamp=0.5)),
-        ("clamp 1.0, another batch", case(1, log_ratio_clamp=1.0)),
+    return check_loss("clamped_reported_loss", fn, steps.clamped_reported_loss, [
+        ("clamp 0.5, beta 0.05", dict(seed=0, beta=0.05, log_ratio_clamp=0.5)),
+        ("clamp 1.0, another batch", dict(seed=1, log_ratio_clamp=1.0)),
         ("a reference 30 nats per token away: summed log-ratios past exp's overflow (88.7)",
-         case(2, log_ratio_clamp=10.0, drift=30.0)),
-    ])
+         dict(seed=2, log_ratio_clamp=10.0, drift=30.0)),
+    ], CLAMP_MISTAKES, _clamp_mutant)
 
 
 def _guard_mutant(mistake: str) -> Callable:
@@ -810,33 +756,10 @@ REPORT003_MISTAKES = {
 
 
 def check_report003_loss(fn: Callable) -> CheckResult:
-    ref = steps.report003_loss
-    mutants = {k: _report003_mutant(k) for k in REPORT003_MISTAKES}
-
-    def case(seed, **overrides):
-        def run(f):
-            out = drive(f, drive_loss, seed=seed, **overrides)
-            want = drive_loss(ref, seed, **overrides)
-            if "bad_return" in out:
-                raise Mismatch(f"return (loss, stats), a tuple of two; got {out['bad_return']}")
-            if out["grad"] is None:
-                raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
-                               "with respect to logp")
-            _no_advantage_gradient(out)
-            got = torch.cat([out["loss"].reshape(1), out["grad"].flatten()])
-            expected = torch.cat([want["loss"].reshape(1), want["grad"].flatten()])
-
-            def mutant_result(m):
-                r = drive_loss(m, seed, **overrides)
-                return torch.cat([r["loss"].reshape(1), r["grad"].flatten()])
-            _compare(got, expected, "the loss or its gradient", mutants, mutant_result,
-                     REPORT003_MISTAKES)
-        return run
-
-    return run_check("report003_loss", fn, ref, [
-        ("beta 0.3", case(0, beta=0.3)), ("beta 1.0, loss_type dapo", case(1, beta=1.0,
-                                                                          loss_type="dapo")),
-    ])
+    return check_loss("report003_loss", fn, steps.report003_loss, [
+        ("beta 0.3", dict(seed=0, beta=0.3)),
+        ("beta 1.0, loss_type dapo", dict(seed=1, beta=1.0, loss_type="dapo")),
+    ], REPORT003_MISTAKES, _report003_mutant)
 
 
 def _sampler_mutant(mistake: str) -> Callable:
