@@ -477,10 +477,7 @@ class Trainer:
                 if self._checkpoint_due():
                     self.save_checkpoint()
                 bar.update(1)
-                postfix = {"reward": f"{m['reward']:.2f}", "grad_norm": f"{m['grad_norm']:.3g}"}
-                if "eval/accuracy" in m:
-                    postfix["acc"] = f"{m['eval/accuracy']:.2f}"
-                bar.set_postfix(postfix)
+                bar.set_postfix(progress_postfix(m))
                 if callback is not None:
                     callback(m)
         finally:
@@ -616,6 +613,14 @@ class Trainer:
             f"grad norm median over the run: {median:.3g}",
         ]
         return "\n".join(lines)
+
+
+def progress_postfix(m: dict) -> dict:
+    """What a step's progress bar shows after the count: reward, grad norm, eval accuracy."""
+    postfix = {"reward": f"{m['reward']:.2f}", "grad_norm": f"{m['grad_norm']:.3g}"}
+    if "eval/accuracy" in m:
+        postfix["acc"] = f"{m['eval/accuracy']:.2f}"
+    return postfix
 
 
 def to_json_line(m: dict) -> str:

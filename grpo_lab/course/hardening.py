@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from ..health import Snapshot, nonfinite_params
-from ..objective import completion_logprobs, group_advantages, token_weights
+from ..objective import completion_logprobs, token_weights
 from ..sampling import sample_group
 from ..tasks import Problem
 from ..trainer import micro_batch_slices
-from .steps import LossFn, Run, apply_update
+from .steps import LossFn, Run, apply_update, sample_and_score, step_metrics
 
 
 # --- notebook 07: health checks and rollback --------------------------------------------------
@@ -82,18 +80,9 @@ def accumulated_grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     stats the mean of the micro-batches' values weighted by their completion tokens (exact
     for token means: kl, clip_ratio/region_mean)."""
     cfg = run.cfg
-    G = cfg.group_size
-    rollout = sample_fn(run.policy, run.tokenizer, [p.prompt for p in problems], G,
-                        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
-    answers = [p.answer for p in problems for _ in range(G)]
-    rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
-                                         truncated=rollout.truncated.tolist()),
-                           dtype=torch.float32, device=rollout.input_ids.device)  # (B,)
-    advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)  # (B,)
+    rollout, rewards, advantages, ref_logp = sample_and_score(run, problems, sample_fn)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask  # (B, C)
-    with torch.no_grad():
-        ref_logp = completion_logprobs(run.reference, ids, attention, C, cfg.temperature)
     whole = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C)
     n_tokens = max(int(mask.sum()), 1)
     run.optimizer.zero_grad(set_to_none=True)  # once, before the loop
@@ -112,10 +101,4 @@ def accumulated_grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
             stats[k] = stats.get(k, 0.0) + float(v) * share
     grad_norm, skipped = update_fn(run)  # once, after the loop
     run.step_count += 1
-    groups = rewards.view(-1, G)
-    return {"step": run.step_count, "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
-            "loss": loss, "kl": 0.0, "grad_norm": grad_norm,
-            "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped,
-            **stats}
+    return step_metrics(run, rewards, mask, loss, grad_norm, skipped, stats)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..health import Snapshot, nonfinite_params
-from ..objective import completion_logprobs, group_advantages, token_weights
+from ..objective import completion_logprobs, token_weights
 from ..sampling import sample_group
 from ..tasks import ProblemStream
 from ..trainer import micro_batch_slices
@@ -384,18 +384,10 @@ def check_healthy_update(fn: Callable) -> CheckResult:
 # --- notebook 08: accumulated_grpo_step ---------------------------------------------------------
 def _accumulated_variant(run, problems, loss_fn, update_fn, mistake: str) -> dict:
     """hardening.accumulated_grpo_step with one known mistake in its micro-batch loop."""
-    cfg, G = run.cfg, run.cfg.group_size
-    rollout = sample_group(run.policy, run.tokenizer, [p.prompt for p in problems], G,
-                           cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
-    answers = [p.answer for p in problems for _ in range(G)]
-    rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
-                                         truncated=rollout.truncated.tolist()),
-                           dtype=torch.float32, device=rollout.input_ids.device)
-    advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)
+    cfg = run.cfg
+    rollout, rewards, advantages, ref_logp = steps.sample_and_score(run, problems)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask
-    with torch.no_grad():
-        ref_logp = completion_logprobs(run.reference, ids, attention, C, cfg.temperature)
     whole = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
     params = list(run.policy.parameters())
     k = cfg.grad_accum_steps

@@ -53,7 +53,7 @@ from ..objective import (
 from ..policy import load_policy
 from ..sampling import decode_loop, encode_prompts, greedy_accuracy, sample_group
 from ..tasks import Problem, ProblemStream, addition_reward, eval_problems
-from ..trainer import SPIKE_WINDOW, to_json_line
+from ..trainer import SPIKE_WINDOW, progress_postfix, to_json_line
 from .checks import reference_clip_grad_norm, reference_sanitize_logits, reference_should_skip
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
@@ -228,6 +228,38 @@ def apply_update(run: Run) -> tuple[float, int]:
     return grad_norm, 0
 
 
+def sample_and_score(run: Run, problems: list[Problem], sample_fn: Callable = sample_group):
+    """The part of a step before the loss: sample G completions per prompt with the current
+    policy, score them (answers repeated G times in a row: rows are grouped by prompt), the
+    group advantages, and the frozen reference's log-probs. Returns (rollout, rewards (B,),
+    advantages (B,), ref_logp (B, C))."""
+    cfg, G = run.cfg, run.cfg.group_size
+    rollout = sample_fn(run.policy, run.tokenizer, [p.prompt for p in problems], G,
+                        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    answers = [p.answer for p in problems for _ in range(G)]
+    rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
+                                         truncated=rollout.truncated.tolist()),
+                           dtype=torch.float32, device=rollout.input_ids.device)  # (B,)
+    advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)  # (B,)
+    with torch.no_grad():
+        ref_logp = completion_logprobs(run.reference, rollout.input_ids, rollout.attention_mask,
+                                       rollout.completion_length, cfg.temperature)  # (B, C)
+    return rollout, rewards, advantages, ref_logp
+
+
+def step_metrics(run: Run, rewards, completion_mask, loss: float, grad_norm: float,
+                 skipped: int, stats: dict) -> dict:
+    """A step's metrics, TRL's names; the loss's own stats (kl, clip_ratio/region_mean, ...)
+    as they are."""
+    groups = rewards.view(-1, run.cfg.group_size)
+    return {"step": run.step_count, "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
+            "loss": loss, "kl": 0.0, "grad_norm": grad_norm,
+            "completions/mean_length": completion_mask.sum(-1).float().mean().item(),
+            "skipped": skipped, **stats}
+
+
 def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
               update_fn: Callable = apply_update, sample_fn: Callable = sample_group) -> dict:
     """One GRPO step at mu = 1: sample, score, advantages, loss, backward, update, metrics.
@@ -235,18 +267,9 @@ def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     or a later notebook's; `update_fn`: what runs after backward; `sample_fn`: the sampler,
     called as sample_group is. Returns the metrics."""
     cfg = run.cfg
-    G = cfg.group_size
-    rollout = sample_fn(run.policy, run.tokenizer, [p.prompt for p in problems], G,
-                        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
-    answers = [p.answer for p in problems for _ in range(G)]  # rows are grouped by prompt
-    rewards = torch.tensor(run.reward_fn(rollout.completions, answer=answers,
-                                         truncated=rollout.truncated.tolist()),
-                           dtype=torch.float32, device=rollout.input_ids.device)  # (B,)
-    advantages = group_advantages(rewards, G, cfg.advantage_eps, cfg.scale_rewards)  # (B,)
+    rollout, rewards, advantages, ref_logp = sample_and_score(run, problems, sample_fn)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask  # (B, C)
-    with torch.no_grad():
-        ref_logp = completion_logprobs(run.reference, ids, attention, C, cfg.temperature)
     run.optimizer.zero_grad(set_to_none=True)
     logp = completion_logprobs(run.policy, ids, attention, C, cfg.temperature)  # (B, C)
     # pi_old is the policy that sampled, i.e. this forward, detached: the ratio starts at 1
@@ -254,13 +277,7 @@ def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     loss.backward()
     grad_norm, skipped = update_fn(run)
     run.step_count += 1
-    groups = rewards.view(-1, G)
-    return {"step": run.step_count, "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
-            "loss": loss.item(), "kl": 0.0, "grad_norm": grad_norm,
-            "completions/mean_length": mask.sum(-1).float().mean().item(), "skipped": skipped,
-            **stats}
+    return step_metrics(run, rewards, mask, loss.item(), grad_norm, skipped, stats)
 
 
 def safe_sample(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
@@ -465,10 +482,7 @@ def train(run: Run, step_fn: Callable, steps: int | None = None,
             m["step_time"] = time.perf_counter() - t0
             record(m)
             bar.update(1)
-            postfix = {"reward": f"{m['reward']:.2f}", "grad_norm": f"{m['grad_norm']:.3g}"}
-            if "eval/accuracy" in m:
-                postfix["acc"] = f"{m['eval/accuracy']:.2f}"
-            bar.set_postfix(postfix)
+            bar.set_postfix(progress_postfix(m))
             if callback is not None:
                 callback(m)
     finally:
