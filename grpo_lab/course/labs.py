@@ -28,8 +28,6 @@ import json
 import re
 from pathlib import Path
 
-import nbformat
-
 from . import checks, hardening_checks, step_checks, stretch
 
 CHECKER_MODULES = (checks, step_checks, hardening_checks, stretch)
@@ -116,6 +114,15 @@ def exercises_of(nb) -> list[str]:
 
 
 MANIFEST_VERSION = 2
+
+
+def _nbformat():
+    """nbformat, imported where a notebook file is read or written: its import loads
+    jsonschema's format checkers (over a second), which the notebook kernels that import
+    this module through `workbook` and `grade` never need."""
+    import nbformat
+
+    return nbformat
 SETUP_ROOTS = ("grpo_lab",)
 
 
@@ -248,7 +255,7 @@ def exercise_specs(nb) -> list[dict]:
 
 def manifest(solutions: list[Path]) -> dict:
     return {"version": MANIFEST_VERSION, "notebooks": {
-        p.name: {"exercises": exercise_specs(nbformat.read(p, as_version=4))}
+        p.name: {"exercises": exercise_specs(_nbformat().read(p, as_version=4))}
         for p in solutions}}
 
 
@@ -273,7 +280,7 @@ def expected_exercises(notebook_name: str) -> list[str] | None:
 
 
 def student_notebook(path: Path):
-    nb = nbformat.read(path, as_version=4)
+    nb = _nbformat().read(path, as_version=4)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
             cell.source = student_source(cell.source, f"{path.name} cell {i}")
@@ -285,7 +292,7 @@ def student_notebook(path: Path):
 
 
 def render(nb) -> str:
-    return nbformat.writes(nb) + "\n"
+    return _nbformat().writes(nb) + "\n"
 
 
 # --- nbgrader ----------------------------------------------------------------------------------
@@ -320,7 +327,7 @@ def nbgrader_notebook(path: Path):
     cell (nbgrader replaces its `### BEGIN SOLUTION` block by a stub), each check cell an
     autograded test cell worth the exercise's points (its hidden asserts run at autograde),
     every other cell locked (nbgrader restores it from the source before grading)."""
-    nb = nbformat.read(path, as_version=4)
+    nb = _nbformat().read(path, as_version=4)
     specs = {e["cell_id"]: e for e in exercise_specs(nb)}
     checks_of = {e["check_cell_id"]: e for e in specs.values() if e["check_cell_id"]}
     for i, cell in enumerate(nb.cells):

@@ -2,6 +2,11 @@
 
 Opt in with `./course test --browser`, GRPO_LAB_BROWSER=1, or `pytest -m browser`.
 `browser`: the system's Chromium under Playwright (chromium.py), one per test module.
+
+Each notebook runs once per session: one that test_browser.py runs with Run All in
+JupyterLab is not also run under nbval when the browser test is on. The browser's verdict
+holds what nbval's does (every cell ran, in order, in a fresh kernel, and none raised; Run
+All stops at the first error, so a failed assert leaves the later cells unrun), and more.
 """
 
 import os
@@ -26,6 +31,12 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("GRPO_LAB_BROWSER") == "1" or config.option.markexpr == "browser":
+        run_in_browser = {item.callspec.params["notebook"] for item in items
+                          if getattr(item, "originalname", "") == "test_run_all_in_jupyterlab"}
+        twice = [item for item in items if item.nodeid.split("::")[0] in run_in_browser]
+        if twice:
+            items[:] = [item for item in items if item.nodeid.split("::")[0] not in run_in_browser]
+            config.hook.pytest_deselected(items=twice)
         return
     skip = pytest.mark.skip(reason=f"browser test is opt-in: {OPT_IN}")
     for item in items:

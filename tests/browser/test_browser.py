@@ -5,7 +5,8 @@ solutions/); Playwright drives the system's Chromium. For each notebook: open it
 at the stored outputs (no stale progress-bar or widget text), Run All from the menu, then
 check that every cell ran, no cell shows an error, the progress bars render as widgets
 (not as their text fallback) and every plot appears. Screenshots go to $BROWSER_ARTIFACTS
-(default tests/artifacts/browser/).
+(default tests/artifacts/browser/). While this test is on, it is these notebooks' only run:
+their nbval items are deselected (conftest.py), so a failing cell fails here.
 """
 
 import json
