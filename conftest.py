@@ -9,6 +9,7 @@ and each notebook runs whole on one worker (a notebook's cells share one kernel,
   the time the others spend waiting (a hang detector's timeout, a page settling in Chromium,
   a subprocess starting). On 2 cores, vmstat showed the CPUs 0% idle from the end of
   collection to the last files with 3 workers (benchmarks/RESULTS.md, "Suite time").
+  Also at most one worker per WORKER_MEMORY_GIB of memory (a 7 GB macOS runner gets 3).
   PYTEST_XDIST_AUTO_NUM_WORKERS overrides it; `-n 0` runs everything in this one process.
 - Threads: a worker gets its share of the CPUs as its torch intra-op thread count
   (OMP_NUM_THREADS, MKL_NUM_THREADS; at least 1; on 2 cores with 3 workers: 1), set here before torch is
@@ -24,6 +25,9 @@ from __future__ import annotations
 import os
 
 MAX_WORKERS = 4
+# a worker's budget: itself (0.35 GB peak RSS with torch, transformers and TRL imported) and
+# what it starts (a notebook kernel or a CLI run: 0.4 GB for a short Trainer run; torchrun: two)
+WORKER_MEMORY_GIB = 2.0
 
 # Seconds each file kept one worker busy: per-file sums from benchmarks/suite_times.py of a
 # `./course test --browser` run with 3 workers, one torch thread each, on an idle 2-core
@@ -81,6 +85,13 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (AttributeError, ValueError, OSError):
+        return float("inf")
+
+
 def _worker_threads() -> int | None:
     """This xdist worker's share of the CPUs, or None outside a worker."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
@@ -106,7 +117,8 @@ def pytest_xdist_auto_num_workers(config):
     wanted = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if wanted:
         return int(wanted)
-    return max(1, min(MAX_WORKERS, available_cpus() + 1))
+    by_memory = int(min(MAX_WORKERS, memory_gib() / WORKER_MEMORY_GIB))
+    return max(1, min(MAX_WORKERS, available_cpus() + 1, by_memory))
 
 
 def file_of(nodeid: str) -> str:
