@@ -6,9 +6,10 @@ and each notebook runs whole on one worker (a notebook's cells share one kernel,
 
 - Workers: `-n auto` is one more than the number of CPUs this process may use, at most
   MAX_WORKERS (each worker holds torch, TRL and a notebook kernel). The extra worker fills
-  the time the others spend waiting (a hang detector's timeout, a page settling in Chromium,
-  a subprocess starting). On 2 cores, vmstat showed the CPUs 0% idle from the end of
-  collection to the last files with 3 workers (benchmarks/RESULTS.md, "Suite time").
+  the time the others spend waiting (the fault runner's hang limit, a rendezvous timing
+  out, Chromium settling a page). On 2 cores it gains most with the browser tests on; with 3
+  workers vmstat showed the CPUs 0% idle from the end of collection to the last files
+  (benchmarks/RESULTS.md, "Suite time").
   Also at most one worker per WORKER_MEMORY_GIB of memory (a 7 GB macOS runner gets 3).
   PYTEST_XDIST_AUTO_NUM_WORKERS overrides it; `-n 0` runs everything in this one process.
 - Threads: a worker gets its share of the CPUs as its torch intra-op thread count
