@@ -114,6 +114,7 @@ def exercises_of(nb) -> list[str]:
 
 
 MANIFEST_VERSION = 2
+SETUP_ROOTS = ("grpo_lab",)
 
 
 def _nbformat():
@@ -123,7 +124,6 @@ def _nbformat():
     import nbformat
 
     return nbformat
-SETUP_ROOTS = ("grpo_lab",)
 
 
 def python_source(source: str) -> str:
