@@ -13,8 +13,8 @@ and each notebook runs whole on one worker (a notebook's cells share one kernel,
   Also at most one worker per WORKER_MEMORY_GIB of memory (a 7 GB macOS runner gets 3).
   PYTEST_XDIST_AUTO_NUM_WORKERS overrides it; `-n 0` runs everything in this one process.
 - Threads: a worker gets its share of the CPUs as its torch intra-op thread count
-  (OMP_NUM_THREADS, MKL_NUM_THREADS; at least 1; on 2 cores with 3 workers: 1), set here before torch is
-  imported, so the notebook kernels and the subprocesses the tests start (CLI runs,
+  (OMP_NUM_THREADS, MKL_NUM_THREADS; at least 1; on 2 cores with 3 workers: 1), set here
+  before torch is imported, so the notebook kernels and the subprocesses the tests start (CLI runs,
   torchrun) inherit it. The tiny model's forwards are ~100x slower when two spinning
   OpenMP threads share a core with another busy process (see tests/test_trl_parity.py).
   A thread count already in the environment is kept.
@@ -54,8 +54,9 @@ FILE_SECONDS: dict[str, float] = {
     "solutions/09_fix_the_kl_formula.ipynb": 57,
     "labs/09_fix_the_kl_formula.ipynb": 54,
     "solutions/07_fix_health_checks_and_recovery.ipynb": 48,
-    "solutions/04_the_training_loop.ipynb": 46,  # this one and labs/04: the browser test runs
-    "labs/04_the_training_loop.ipynb": 46,  # them in that run; here the 2-worker figure x 1.25
+    # solutions/04 and labs/04 ran in the browser in that run: their 2-worker figures x 1.25
+    "solutions/04_the_training_loop.ipynb": 46,
+    "labs/04_the_training_loop.ipynb": 42,
     "tests/test_nbgrader.py": 46,
     "labs/07_fix_health_checks_and_recovery.ipynb": 46,
     "tests/test_steps.py": 44,

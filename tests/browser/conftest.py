@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
                           if getattr(item, "originalname", "") == "test_run_all_in_jupyterlab"}
         twice = [item for item in items if item.nodeid.split("::")[0] in run_in_browser]
         if twice:
-            items[:] = [item for item in items if item.nodeid.split("::")[0] not in run_in_browser]
+            items[:] = [item for item in items if item not in twice]
             config.hook.pytest_deselected(items=twice)
         return
     skip = pytest.mark.skip(reason=f"browser test is opt-in: {OPT_IN}")
