@@ -19,11 +19,19 @@ and each notebook runs whole on one worker (a notebook's cells share one kernel,
   OpenMP threads share a core with another busy process (see tests/test_trl_parity.py).
   A thread count already in the environment is kept.
 - Order: the files run longest first (FILE_SECONDS), so the workers finish together.
+- Each deterministic computation once: the run gets a private folder in
+  GRPO_LAB_SESSION_CACHE (grpo_lab/memo.py), inherited by the workers, their notebook
+  kernels and the processes they start. A lab and its solution run the same field scenarios,
+  fault runs, variant runs and memory measurements on the same seeds wherever the learner's
+  code is not involved, and the tests of those functions run them too; the first caller
+  computes, the others read its result. The folder is removed when the run ends.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 MAX_WORKERS = 4
 # a worker's budget: itself (0.35 GB peak RSS with torch, transformers and TRL imported) and
@@ -109,6 +117,13 @@ if _THREADS is not None:
 
 
 def pytest_configure(config):
+    from grpo_lab.memo import SESSION_CACHE
+
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get(SESSION_CACHE):
+        folder = tempfile.mkdtemp(prefix="grpo_lab_session_")  # private: mode 0700
+        os.environ[SESSION_CACHE] = folder
+        config.add_cleanup(lambda: (os.environ.pop(SESSION_CACHE, None),
+                                    shutil.rmtree(folder, ignore_errors=True)))
     if _THREADS is not None:
         import torch
 

@@ -338,21 +338,17 @@ def cmd_yours(args) -> int:
 
 def cmd_scenario(args) -> int:
     """Exit 0 when the scenario did what it promises: the symptom without --fixed, no
-    symptom with it; 1 otherwise."""
+    symptom with it; 1 otherwise. Listing and refusing need only the catalog (no torch)."""
+    from .field.catalog import CATALOG, DEVICE_SCENARIOS, describe
+
     if args.list or not args.name:
         if not args.list:
             raise UsageError("give a scenario name, or --list")
-        from .field.scenarios import CATALOG, describe
-
         print("\n\n".join(describe(s) for s in CATALOG.values()))
         return 0
-    from .field.scenarios import CATALOG, Outcome, describe, run_scenario
-
     if args.name not in CATALOG:
         raise UsageError(f"unknown scenario {args.name!r}; allowed: {', '.join(CATALOG)}")
     if args.device is not None:
-        from .field.scenarios import DEVICE_SCENARIOS, run_on_device
-
         if args.name not in DEVICE_SCENARIOS:
             raise UsageError(f"--device: scenario {args.name!r} runs on CPU only; allowed "
                              f"with --device: {', '.join(DEVICE_SCENARIOS)}")
@@ -363,6 +359,8 @@ def cmd_scenario(args) -> int:
         except ConfigError as e:  # "device must be ...": the flag's name in front
             raise UsageError(f"--{e}") from None
     print(describe(CATALOG[args.name]))
+    from .field.scenarios import Outcome, run_on_device, run_scenario
+
     after = None
     if args.device is None:
         outcome = run_scenario(args.name, fixed=args.fixed)

@@ -55,7 +55,7 @@ def _logits_from_prompt_cache(model, input_ids, attention_mask, C, prompt_ids, p
     P = prompt_ids.shape[1]
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
                 position_ids=position_ids_from_mask(prompt_mask), use_cache=True)
-    cache = out.past_key_values
+    cache = out.cache
     if cache is None:
         return None
     cache.batch_select_indices(row_prompt)  # keys and values (U, ...) -> (B, ...), per row
@@ -64,7 +64,7 @@ def _logits_from_prompt_cache(model, input_ids, attention_mask, C, prompt_ids, p
         position_ids = position_ids_from_mask(attention_mask)
         rest = model(
             input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True,
+            position_ids=position_ids[:, P:-1], cache=cache, use_cache=True,
         ).logits  # (B, C - 1, V)
         logits = torch.cat([logits, rest], dim=1)  # (B, C, V)
     return logits

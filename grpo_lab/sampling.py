@@ -152,7 +152,7 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     ids, mask = prompt_ids[::group_size], prompt_mask[::group_size]  # (B/G, P)
     positions = position_ids_from_mask(mask)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    cache = out.past_key_values
+    cache = out.cache
     cache.batch_repeat_interleave(group_size)  # (B/G, ...) -> (B, ...)
     logits = out.logits[:, -1].float().repeat_interleave(group_size, 0)  # (B, V)
     mask, position = prompt_mask, positions[:, -1:].repeat_interleave(group_size, 0)
@@ -171,7 +171,7 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
             break
         mask, position = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), position + 1
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                       past_key_values=cache, use_cache=True).logits[:, -1].float()  # (B, V)
+                       cache=cache, use_cache=True).logits[:, -1].float()  # (B, V)
     return sequence[:, prompt_ids.shape[1]:], torch.stack(raw, 1)
 
 

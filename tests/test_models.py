@@ -102,3 +102,20 @@ def test_completion_longer_than_the_model_is_refused(tiny):
     with pytest.raises(ConfigError, match="max_new_tokens must be <= 26"):
         Trainer(preset("stable", max_new_tokens=27), model, tok)
     Trainer(preset("stable", max_new_tokens=26), model, tok)
+
+
+def test_a_training_step_uses_this_transformers_cache_api(caplog):
+    """No deprecation from transformers in what a learner sees: the sampler and the
+    shared-prompt forward pass the KV cache under the name this version takes."""
+    import logging
+    import warnings
+
+    from grpo_lab import preset
+    from grpo_lab.trainer import Trainer
+
+    trainer = Trainer(preset("stable", steps=1, eval_size=4))
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        trainer.step()
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text

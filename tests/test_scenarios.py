@@ -69,6 +69,23 @@ def test_cli_lists_and_runs_a_scenario():
     assert bad.returncode == 2 and "unknown scenario 'nope'" in bad.stderr
 
 
+def test_every_listed_scenario_runs_and_listing_needs_no_torch():
+    """The catalog (names and texts) and what each scenario runs are kept apart so that the
+    listing, an unknown name and a CPU-only scenario's --device answer without torch."""
+    from grpo_lab.field.scenarios import RUNS
+
+    assert list(RUNS) == list(CATALOG)
+    probe = ("import contextlib, io, sys\n"
+             "from grpo_lab.cli import main\n"
+             "for argv in (['--list'], ['nope'], ['naive-run', '--device', 'cuda']):\n"
+             "    with contextlib.redirect_stdout(io.StringIO()), "
+             "contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
+             "        main(['scenario', *argv])\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
+
+
 @pytest.mark.parametrize("name", ["nan-params-sampling-crash", "pad-token-vocab-mismatch"])
 def test_device_scenarios_run_in_a_fresh_process(name, scenario):
     """`scenario NAME --device D` runs the scenario in a child process on D (on CUDA the

@@ -20,6 +20,7 @@ import torch
 
 from ..config import CHECKPOINT, ConfigError, preset
 from ..health import nonfinite_params
+from ..memo import once_per_session
 from ..sampling import SamplingError
 from ..tasks import RewardError, addition_reward
 from ..trainer import Trainer
@@ -161,6 +162,7 @@ FAULTS: dict[str, Callable] = {
 }
 
 
+@once_per_session
 def run_fault(name: str, preset_name: str, **overrides) -> FaultResult:
     """Train STEPS steps with the fault injected at step INJECT_AT; report what happened."""
     if preset_name == "stable":

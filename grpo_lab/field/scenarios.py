@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,28 +26,20 @@ import torch
 from .. import naive
 from ..config import GRPOConfig, preset
 from ..health import Snapshot, nonfinite_params
+from ..memo import SESSION_CACHE, once_per_session
 from ..objective import exact_kl, group_advantages, kl_k3
 from ..policy import load_policy
 from ..sampling import encode_prompts, generation_config, sample_group, transformers_messages
 from ..tools import memory
 from ..trainer import Trainer, micro_batch_slices, read_metrics
 from . import bugs
+from .catalog import CATALOG, DEVICE_SCENARIOS, Scenario, describe  # noqa: F401 (re-exported)
 
 
 @dataclass
 class Outcome:
     symptom: bool  # the failure's symptom showed up
     evidence: str  # the error text or the numbers that show it (or show it gone)
-
-
-@dataclass
-class Scenario:
-    name: str
-    report: str  # the field report it comes from (its number), or "-": a failure the course adds
-    symptom: str
-    cause: str
-    fix: str
-    run: Callable[[bool], Outcome]
 
 
 def _describe(e: BaseException) -> str:
@@ -64,10 +55,7 @@ def _error_text(fn: Callable[[], object]) -> str | None:
     return None
 
 
-# the scenarios that touch the device's kernels, run in a fresh process by run_on_device
-# (on CUDA their failure is a device-side assert, which leaves the process's CUDA context
-# unusable); there the child reads its device from this variable, everything else is CPU
-DEVICE_SCENARIOS = ("nan-params-sampling-crash", "pad-token-vocab-mismatch")
+# run_on_device's child reads its device from this variable; everything else runs on the CPU
 DEVICE_ENV = "GRPO_LAB_SCENARIO_DEVICE"
 
 
@@ -414,93 +402,37 @@ def launch_without_launcher(fixed: bool) -> Outcome:
                          f"{(errors or ['no error line'])[-1].strip()[:300]}")
 
 
-CATALOG: dict[str, Scenario] = {s.name: s for s in [
-    Scenario("naive-run", "000/001",
-             "grad norm spikes by orders of magnitude, parameters go NaN, sampling crashes",
-             "ratio against the reference and report 001's `clip_ratio * advantage` (read as "
-             "a constant), no log-ratio clamp, lr too high", "the stable preset: ratio vs the sampling policy, real clipping, "
-             "clamps, grad clipping, health checks", naive_run),
-    Scenario("nan-params-sampling-crash", "000",
-             "torch.multinomial: probability tensor contains either inf, nan or element < 0",
-             "NaN parameters from an exploded update give NaN logits",
-             "check parameter health after every update and roll back", nan_params_sampling_crash),
-    Scenario("pad-token-vocab-mismatch", "002", "IndexError: index out of range in self",
-             "a pad token added to the tokenizer has no embedding row",
-             "reuse EOS as pad, or resize the embeddings", pad_token_vocab_mismatch),
-    Scenario("accum-step-inside-loop", "003",
-             "each update uses the last micro-batch's gradient only (the report logged "
-             "KL = 0.000; notebook 08 measures that with AdamW the model still moves)",
-             "zero_grad/step inside the micro-batch loop: each update sees one micro-batch",
-             "zero_grad before the loop, one step after it", _accumulation_scenario("step-inside")),
-    Scenario("accum-copy-instead-of-add", "003", "accumulated gradient = the last micro-batch's",
-             "p.grad.copy_(g) overwrites the earlier micro-batches",
-             "p.grad.add_(g) (or let backward() accumulate)", _accumulation_scenario("copy")),
-    Scenario("accum-unnormalised", "-", "accumulated gradient != full-batch gradient",
-             "each micro-batch's mean loss / K: micro-batches with fewer tokens weigh more",
-             "token weights from the whole batch (token_weights)",
-             _accumulation_scenario("mean-per-micro-batch")),
-    Scenario("empty-micro-batch", "004", "a forward pass on 0 rows fails",
-             "rows per chunk = batch // accum_steps is 0 when batch < accum_steps",
-             "split into non-empty chunks and refuse accum_steps > batch", empty_micro_batch),
-    Scenario("zero-std-group", "-", "NaN advantages -> NaN gradients",
-             "(r - mean) / std with std = 0 for a group whose rewards are all equal",
-             "divide by std + eps (advantage_eps)", zero_std_group),
-    Scenario("kl-wrong-fix", "003", "the KL estimate is biased; beta control acts on a wrong number",
-             "report 003 replaced k3 with (ref - cur).clamp(0, 10)",
-             "keep k3 = exp(ref - cur) - (ref - cur) - 1: unbiased and >= 0", kl_wrong_fix),
-    Scenario("temperature-ignored", "003",
-             "The following generation flags are not valid and may be ignored",
-             "temperature/top_p given while sampling is off (or through a logits processor)",
-             "pass do_sample=True with temperature/top_k/top_p to generate()",
-             temperature_ignored),
-    Scenario("temperature-zero", "000", "multinomial crash on NaN probabilities (the course's "
-             "extension: report 000 lowered the temperature, with a floor of 0.3)",
-             "logits / 0 is inf or NaN", "temperature > 0 is validated; use greedy for T = 0",
-             temperature_zero),
-    Scenario("amp-skip-no-inf-checks", "004",
-             "AssertionError: No inf checks were recorded for this optimizer",
-             "grads cleared on NaN, then scaler.step() finds nothing to unscale",
-             "let GradScaler skip the step itself (or skip step and update together)",
-             amp_skip_no_inf_checks),
-    Scenario("static-check", "003", "UnboundLocalError / NameError mid-run",
-             "`import torch` inside a function; `delta` deleted but still used",
-             "run ruff (F821, F823) before the run", static_check),
-    Scenario("no-health-monitoring", "000/001",
-             "corruption is noticed only when sampling crashes, a step after it happened",
-             "nobody checks the parameters after an update",
-             "count non-finite parameters after every update; roll back to a snapshot",
-             no_health_monitoring),
-    Scenario("log-ratio-overflow", "001",
-             "ratio = exp(105) = inf: the loss and gradients go inf/NaN",
-             "log-ratios summed over a sequence against the reference, no clamp",
-             "token-level ratios against the sampling policy; clamp the log-ratio as a net",
-             log_ratio_overflow),
-    Scenario("crash-resume", "004", "a crash mid-training loses every step since the last "
-             "checkpoint (report 004's driver crashes; its stack did resume from checkpoints)",
-             "no checkpoint, or one written non-atomically", "atomic checkpoints and --resume",
-             crash_resume),
-    Scenario("memory-pressure", "003/004",
-             "out of memory mid-step (CUDA out of memory; on CPU DefaultCPUAllocator: "
-             "can't allocate memory)",
-             "the whole batch's activations held at once for one backward",
-             "the same batch in micro-batches (grad_accum_steps; the gradient is the same), "
-             "and/or gradient_checkpointing; `python -m grpo_lab.tools.memory` measures each",
-             memory_pressure),
-    Scenario("launch-without-launcher", "002",
-             "a multi-process run hangs at start-up (the course's example; the report shows "
-             "device-side asserts from runs started with plain python)",
-             "started with plain python where a launcher was meant: the ranks it expects "
-             "never start",
-             "start it with the launcher (torchrun / accelerate launch); on a multi-GPU "
-             "machine `train` refuses plain python and prints the command",
-             launch_without_launcher),
-]}
+RUNS: dict[str, Callable[[bool], Outcome]] = {  # each scenario's run(fixed)
+    "naive-run": naive_run,
+    "nan-params-sampling-crash": nan_params_sampling_crash,
+    "pad-token-vocab-mismatch": pad_token_vocab_mismatch,
+    "accum-step-inside-loop": _accumulation_scenario("step-inside"),
+    "accum-copy-instead-of-add": _accumulation_scenario("copy"),
+    "accum-unnormalised": _accumulation_scenario("mean-per-micro-batch"),
+    "empty-micro-batch": empty_micro_batch,
+    "zero-std-group": zero_std_group,
+    "kl-wrong-fix": kl_wrong_fix,
+    "temperature-ignored": temperature_ignored,
+    "temperature-zero": temperature_zero,
+    "amp-skip-no-inf-checks": amp_skip_no_inf_checks,
+    "static-check": static_check,
+    "no-health-monitoring": no_health_monitoring,
+    "log-ratio-overflow": log_ratio_overflow,
+    "crash-resume": crash_resume,
+    "memory-pressure": memory_pressure,
+    "launch-without-launcher": launch_without_launcher,
+}
 
 
 def run_scenario(name: str, fixed: bool = False) -> Outcome:
     if name not in CATALOG:
         raise KeyError(f"unknown scenario {name!r}; see `python -m grpo_lab scenario --list`")
-    return CATALOG[name].run(fixed)
+    return _run(name, fixed, str(_device()))
+
+
+@once_per_session
+def _run(name: str, fixed: bool, device: str) -> Outcome:  # device: part of the session key
+    return RUNS[name](fixed)
 
 
 _DEVICE_CHILD = """
@@ -527,7 +459,8 @@ def run_on_device(name: str, fixed: bool, device: str, timeout: float = 600) -> 
         raise ValueError(f"scenario {name!r} runs on CPU only; on a device: "
                          f"{', '.join(DEVICE_SCENARIOS)}")
     torch.device(device)  # a bad device string fails here, in one line
-    env = {**os.environ, DEVICE_ENV: device}
+    # a fresh process that runs the scenario itself, never reading a session's result
+    env = {k: v for k, v in os.environ.items() if k != SESSION_CACHE} | {DEVICE_ENV: device}
     p = subprocess.run([sys.executable, "-c", _DEVICE_CHILD, name, "fixed" if fixed else "broken"],
                        capture_output=True, text=True, env=env, timeout=timeout)
     lines = [line for line in p.stdout.splitlines() if line.startswith("@@scenario@@ ")]
@@ -536,11 +469,3 @@ def run_on_device(name: str, fixed: bool, device: str, timeout: float = 600) -> 
         raise RuntimeError(f"scenario {name!r} on {device}: the process exited with code "
                            f"{p.returncode} before reporting: {tail}")
     return {**json.loads(lines[-1].split(" ", 1)[1]), "returncode": p.returncode}
-
-
-def describe(s: Scenario) -> str:
-    return textwrap.dedent(f"""\
-        {s.name}  (report {s.report})
-          symptom: {s.symptom}
-          cause:   {s.cause}
-          fix:     {s.fix}""")

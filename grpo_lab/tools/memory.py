@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 
 from ..config import PROFILE_MODELS, ConfigError, GRPOConfig
+from ..memo import once_per_session
 from ..models import resolve_device
 from ..policy import load_policy
 from ..trainer import Trainer
@@ -209,8 +210,10 @@ def _measure_worker(configs: list[dict], method: str, warm_up: bool) -> list[dic
 
 
 # ---- subprocesses -------------------------------------------------------------------------
+@once_per_session
 def _run_worker(request: dict, timeout: float = 600) -> dict:
-    """Run `request` in a fresh `python -m grpo_lab.tools.memory --worker` and return its answer."""
+    """Run `request` in a fresh `python -m grpo_lab.tools.memory --worker` and return its answer
+    (in a test session, once per request: grpo_lab/memo.py)."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)  # works from a source tree too
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
