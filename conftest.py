@@ -39,51 +39,54 @@ MAX_WORKERS = 4
 WORKER_MEMORY_GIB = 2.0
 
 # Seconds each file kept one worker busy: per-file sums from benchmarks/suite_times.py of a
-# `./course test --browser` run with 3 workers, one torch thread each, on an idle 2-core
-# machine (inflated by the workers sharing 2 cores; only their order is used: longest first).
-# A file not listed counts as DEFAULT_SECONDS. Refresh when a file's time moves a lot:
+# `./course test` run with 3 workers, one torch thread each, on an idle 2-core machine
+# (inflated by the workers sharing 2 cores; only their order is used: longest first). The two
+# browser files: from a `./course test --browser` run. A file not listed counts as
+# DEFAULT_SECONDS. Refresh when a file's time moves a lot:
 #   ./course test --junitxml=/tmp/run.xml && .venv/bin/python benchmarks/suite_times.py /tmp/run.xml
+# With the session cache, a file that computes what another reads comes first anyway: the
+# solutions and the tests of scenarios, faults and memory are longer than the labs.
 FILE_SECONDS: dict[str, float] = {
-    "tests/test_scenarios.py": 163,
     "tests/browser/test_browser.py": 151,
-    "tests/test_faults.py": 107,
-    "solutions/06_fix_clamping_and_clipping.ipynb": 104,
-    "tests/test_hardening.py": 94,
-    "solutions/11_capstone.ipynb": 93,
+    "tests/test_scenarios.py": 134,
+    "tests/test_warmstart.py": 108,
+    "tests/test_faults.py": 100,
+    "tests/test_distributed.py": 95,
     "tests/browser/test_site.py": 91,
-    "labs/11_capstone.ipynb": 89,
-    "tests/test_cli.py": 88,
-    "tests/test_warmstart.py": 86,
-    "labs/12_scale_out_and_trl.ipynb": 84,
-    "labs/06_fix_clamping_and_clipping.ipynb": 82,
-    "solutions/12_scale_out_and_trl.ipynb": 73,
-    "tests/test_distributed.py": 66,
-    "tests/test_grade.py": 58,
-    "solutions/09_fix_the_kl_formula.ipynb": 57,
-    "labs/09_fix_the_kl_formula.ipynb": 54,
-    "solutions/07_fix_health_checks_and_recovery.ipynb": 48,
-    # solutions/04 and labs/04 ran in the browser in that run: their 2-worker figures x 1.25
-    "solutions/04_the_training_loop.ipynb": 46,
-    "labs/04_the_training_loop.ipynb": 42,
-    "tests/test_nbgrader.py": 46,
-    "labs/07_fix_health_checks_and_recovery.ipynb": 46,
-    "tests/test_steps.py": 44,
+    "tests/test_cli.py": 85,
+    "tests/test_hardening.py": 73,
+    "solutions/11_capstone.ipynb": 66,
+    "tests/test_grade.py": 64,
+    "solutions/06_fix_clamping_and_clipping.ipynb": 63,
+    "solutions/09_fix_the_kl_formula.ipynb": 59,
+    "tests/test_steps.py": 59,
+    "labs/09_fix_the_kl_formula.ipynb": 57,
+    "tests/test_nbgrader.py": 52,
+    "labs/04_the_training_loop.ipynb": 49,
+    "solutions/04_the_training_loop.ipynb": 49,
+    "labs/11_capstone.ipynb": 47,
+    "labs/12_scale_out_and_trl.ipynb": 45,
+    "solutions/12_scale_out_and_trl.ipynb": 40,
+    "solutions/08_fix_gradient_accumulation.ipynb": 37,
+    "solutions/07_fix_health_checks_and_recovery.ipynb": 36,
     "tests/test_wheel.py": 34,
     "tests/test_sandbox.py": 33,
-    "solutions/08_fix_gradient_accumulation.ipynb": 33,
-    "labs/05_break_it.ipynb": 31,
-    "tests/test_trainer.py": 30,
-    "labs/08_fix_gradient_accumulation.ipynb": 30,
-    "solutions/05_break_it.ipynb": 27,
-    "tests/test_memory.py": 25,
-    "tests/test_hostile_submissions.py": 25,
-    "tests/test_bench.py": 19,
-    "tests/test_course_setup.py": 13,
+    "solutions/05_break_it.ipynb": 33,
+    "labs/08_fix_gradient_accumulation.ipynb": 32,
+    "labs/05_break_it.ipynb": 30,
+    "tests/test_hostile_submissions.py": 29,
+    "tests/test_trainer.py": 27,
+    "tests/test_memory.py": 24,
+    "labs/06_fix_clamping_and_clipping.ipynb": 22,
+    "labs/07_fix_health_checks_and_recovery.ipynb": 22,
+    "tests/test_bench.py": 18,
+    "tests/test_suite_setup.py": 17,
     "solutions/10_fix_safe_sampling.ipynb": 13,
-    "labs/10_fix_safe_sampling.ipynb": 13,
-    "tests/test_labs.py": 11,
-    "labs/03_the_grpo_objective.ipynb": 11,
-    "solutions/03_the_grpo_objective.ipynb": 10,
+    "tests/test_labs.py": 12,
+    "tests/test_layers.py": 12,
+    "tests/test_course_setup.py": 11,
+    "labs/10_fix_safe_sampling.ipynb": 11,
+    "tests/test_memo.py": 10,
 }
 DEFAULT_SECONDS = 5.0
 

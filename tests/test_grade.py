@@ -173,7 +173,10 @@ def test_a_grader_killed_mid_run_and_restarted_writes_byte_identical_results(tmp
                        cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
 
-    proc = subprocess.Popen(command(killed), stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    leftovers = tmp_path / "tmp"  # what SIGKILL leaves (a worker's folder, the package copy)
+    leftovers.mkdir()
+    proc = subprocess.Popen(command(killed), stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "TMPDIR": str(leftovers)})
     lines = []
     for line in proc.stdout:
         lines.append(line)
