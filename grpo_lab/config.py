@@ -18,7 +18,6 @@ CHECKPOINT, METRICS = "checkpoint.pt", "metrics.jsonl"  # the files of a run dir
 AMP_MODES = ("none", "bf16", "fp16")
 PROFILES = ("cpu", "gpu")
 PROFILE_MODELS = {"cpu": "tiny GPT-2", "gpu": "GPT-2 124M"}  # the model each profile trains
-THREADS_ENV = "GRPO_LAB_THREADS"  # overrides torch's thread count (models.apply_thread_policy)
 
 
 class ConfigError(ValueError):

@@ -14,8 +14,9 @@ Unset (a learner's notebook, the CLI, the grader's sandbox, whose environment is
 the decorator does nothing: the function runs.
 
 The key: the function's module and name, its arguments, a digest of every file of the
-package, the Python, torch and transformers versions, and GRPO_LAB_THREADS (which, with
-the config's profile, sets a run's thread count). An argument that is not plain data (numbers, strings, lists, dicts, dataclasses such as
+package, the Python, torch and transformers versions, and the package's switches in the
+environment (every GRPO_LAB_* variable: threads, profile, a scenario's device; a launcher's
+WORLD_SIZE, RANK, ...). An argument that is not plain data (numbers, strings, lists, dicts, dataclasses such as
 GRPOConfig, argparse namespaces, paths) makes the call run uncached. A call that raises
 stores nothing. A call made while computing another key runs uncached (no lock held
 while waiting on another, so no deadlock).
@@ -33,14 +34,14 @@ import pickle
 import sys
 from pathlib import Path, PurePath
 
-from .config import THREADS_ENV
-
 try:
     import fcntl
 except ImportError:  # Windows: no flock, so no cache; every call runs
     fcntl = None
 
 SESSION_CACHE = "GRPO_LAB_SESSION_CACHE"
+LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
 PACKAGE = Path(__file__).resolve().parent
 
 _computing = False  # this process is inside a cached computation
@@ -87,11 +88,13 @@ def key_of(fn, args: tuple, kwargs: dict) -> str:
     import torch  # loaded already by any caller: imported here to keep conftest.py light
     import transformers
 
-    # the thread count a run uses is set by the package's policy (models.apply_thread_policy)
-    # from the config's profile and this variable, not by the caller's current count
+    # the package reads its switches from GRPO_LAB_* variables (the thread count, the profile,
+    # a scenario's device) and a launcher's from these; not the caller's current thread count,
+    # which the package's policy sets itself (models.apply_thread_policy)
+    switches = sorted((k, v) for k, v in os.environ.items()
+                      if (k.startswith("GRPO_LAB_") and k != SESSION_CACHE) or k in LAUNCHER_VARS)
     what = [fn.__module__, fn.__qualname__, plain(list(args)), plain(kwargs), package_digest(),
-            sys.version, torch.__version__, transformers.__version__,
-            os.environ.get(THREADS_ENV)]
+            sys.version, torch.__version__, transformers.__version__, switches]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
 
 

@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from .config import PROFILES, THREADS_ENV, ConfigError
+from .config import PROFILES, ConfigError
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_DIR = ASSETS / "tiny-gpt2"
@@ -45,6 +45,9 @@ def resolve_profile(profile: str | None = None) -> str:
     if profile not in PROFILES:
         raise ConfigError(f"profile must be 'cpu' or 'gpu' (got {profile!r})")
     return profile
+
+
+THREADS_ENV = "GRPO_LAB_THREADS"
 
 
 def apply_thread_policy(profile: str) -> int:

@@ -111,6 +111,14 @@ def test_the_key_sees_the_config_and_the_package(monkeypatch):
     assert memo.key_of(f, (preset("stable", learning_rate=1e-4 + 1e-12),), {}) != base
     assert memo.key_of(f, (), {"cfg": preset("stable")}) != base
     assert memo.plain(1) != memo.plain(1.0) and memo.plain((1,)) != memo.plain([1])
+    monkeypatch.setenv(memo.SESSION_CACHE, "/another/session")  # not a switch of the run
+    assert memo.key_of(f, (preset("stable"),), {}) == base
+    monkeypatch.setenv("GRPO_LAB_THREADS", "2")
+    assert memo.key_of(f, (preset("stable"),), {}) != base
+    monkeypatch.delenv("GRPO_LAB_THREADS")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert memo.key_of(f, (preset("stable"),), {}) != base
+    monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.setattr(memo, "package_digest", lambda: "an edited package")
     assert memo.key_of(f, (preset("stable"),), {}) != base
 
