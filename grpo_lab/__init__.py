@@ -7,11 +7,12 @@ Layers, each importing only from the ones below it (tests/test_layers.py):
   advantages, KL estimators, clipped surrogate, aggregation), fast (speed-ups beside the
   plain path, tested equal to it), naive (the field reports' variants the naive preset
   switches on), sampling (a group per prompt, log-probs), policy (what a profile trains,
-  warm start), health (checks, snapshots, rollback), distributed (DDP), trainer (the loop), memo (a test session computes each
-  deterministic result once);
+  warm start), health (checks, snapshots, rollback), distributed (DDP), trainer (the loop),
+  memo (a test run computes each deterministic result once);
 - tools/: bench, memory, warmstart (build-model), parser (the CLI's one-line errors);
-- field/: the field failures: bugs (broken code beside the right one), scenarios,
-  faults, reliability, variants (runs of one config, to compare fixes);
+- field/: the field failures: bugs (broken code beside the right one), catalog (the
+  scenarios' texts, without torch), scenarios, faults, reliability, variants (runs of one
+  config, to compare fixes);
 - course/: checks (exercise checkers), grade, labs, notebooks, plots;
 - cli on top.
 """

@@ -16,10 +16,10 @@ the decorator does nothing: the function runs.
 The key: the function's module and name, its arguments, a digest of every file of the
 package, the Python, torch and transformers versions, and the package's switches in the
 environment (every GRPO_LAB_* variable: threads, profile, a scenario's device; a launcher's
-WORLD_SIZE, RANK, ...). An argument that is not plain data (numbers, strings, lists, dicts, dataclasses such as
-GRPOConfig, argparse namespaces, paths) makes the call run uncached. A call that raises
-stores nothing. A call made while computing another key runs uncached (no lock held
-while waiting on another, so no deadlock).
+WORLD_SIZE, RANK, ...). An argument that is not plain data (numbers, strings, lists,
+dicts, dataclasses such as GRPOConfig, argparse namespaces, paths) makes the call run
+uncached. A call that raises stores nothing. A call made while computing another key runs
+uncached (no lock held while waiting on another, so no deadlock).
 """
 
 from __future__ import annotations

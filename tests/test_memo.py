@@ -4,7 +4,6 @@ processes; outside a session every call runs."""
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -125,18 +124,21 @@ def test_the_key_sees_the_config_and_the_package(monkeypatch):
 
 def test_a_cached_run_is_the_run(tmp_path, monkeypatch):
     """What a session reads back is what running it again gives, to the bit."""
-    from grpo_lab.field.variants import short_run
+    from grpo_lab.field import variants
+    from grpo_lab.trainer import Trainer
 
     monkeypatch.setenv(memo.SESSION_CACHE, str(tmp_path))
     cfg = preset("naive", steps=3, prompts_per_step=2, eval_every=0, eval_size=8, seed=4)
-    start = time.perf_counter()
-    first = short_run(cfg)
-    computed = time.perf_counter() - start
-    start = time.perf_counter()
-    read = short_run(cfg)
-    assert time.perf_counter() - start < computed  # read, not run
+    first = variants.short_run(cfg)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the second call trained instead of reading the first's result")
+
+    monkeypatch.setattr(variants, "Trainer", no_training)
+    read = variants.short_run(cfg)
     assert repr(read) == repr(first)  # pickled and read back (repr: NaN equals NaN)
-    again = short_run.uncached(cfg)
+    monkeypatch.setattr(variants, "Trainer", Trainer)
+    again = variants.short_run.uncached(cfg)
 
     def numbers(run):  # every value but the wall-clock step time
         rows = [{k: v for k, v in m.items() if k != "step_time"} for m in run["history"]]

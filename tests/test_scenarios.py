@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from grpo_lab.field.scenarios import CATALOG, run_scenario
+from grpo_lab.field.catalog import CATALOG, DEVICE_SCENARIOS
+from grpo_lab.field.scenarios import run_scenario
 
 EXPECTED_TEXT = {  # the real error text the course promises, where there is one
     "nan-params-sampling-crash": "probability tensor contains either `inf`, `nan` or element < 0",
@@ -92,7 +93,7 @@ def test_device_scenarios_run_in_a_fresh_process(name, scenario):
     broken side is a device-side assert that poisons the process) and reports what the next
     operation on the device did there. On CPU: the same evidence as in this process, and
     the device still works after the exception."""
-    from grpo_lab.field.scenarios import DEVICE_SCENARIOS, run_on_device
+    from grpo_lab.field.scenarios import run_on_device
 
     assert name in DEVICE_SCENARIOS
     broken, fixed = run_on_device(name, False, "cpu"), run_on_device(name, True, "cpu")

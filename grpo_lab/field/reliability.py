@@ -20,8 +20,9 @@ from pathlib import Path
 
 from ..config import GRPOConfig, preset
 from ..trainer import Trainer, read_metrics, without_timing
+from .catalog import CATALOG
 from .faults import FAULTS, empty_micro_batch_fault, run_fault
-from .scenarios import CATALOG, run_scenario
+from .scenarios import run_scenario
 
 
 def check_scenarios(log) -> tuple[int, int]:

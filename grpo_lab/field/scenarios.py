@@ -33,7 +33,7 @@ from ..sampling import encode_prompts, generation_config, sample_group, transfor
 from ..tools import memory
 from ..trainer import Trainer, micro_batch_slices, read_metrics
 from . import bugs
-from .catalog import CATALOG, DEVICE_SCENARIOS, Scenario, describe  # noqa: F401 (re-exported)
+from .catalog import CATALOG, DEVICE_SCENARIOS
 
 
 @dataclass

@@ -18,8 +18,8 @@ SAMPLING_CRASH = "probability tensor contains"  # torch.multinomial on NaN weigh
 @once_per_session
 def short_run(cfg: GRPOConfig) -> dict:
     """cfg.steps steps of a fresh Trainer(cfg), one `step()` at a time; the sampling crash
-    ends the run early (any other error is raised). The step after the last evaluates
-    greedily on cfg.eval_size held-out problems.
+    ends the run early (any other error is raised). The last step ends with the trainer's
+    greedy evaluation on cfg.eval_size held-out problems.
 
     Returns 'history' (the metrics rows), 'crash' (the step that crashed, or None), and
     from the history: 'max_log_ratio' (the largest |log-ratio| before any clamp),
