@@ -15,14 +15,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
 
 from .config import PROFILES, ConfigError
+from .startup import gc_paused
+
+with gc_paused():  # startup.py: a second of CPU less per process
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_DIR = ASSETS / "tiny-gpt2"

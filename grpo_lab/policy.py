@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GPT2LMHeadModel
 
 from .config import ConfigError
 from .models import (
     CACHE_DIR,
     TINY_MODEL_DIR,
+    GPT2LMHeadModel,
     apply_thread_policy,
     build_char_tokenizer,
     gpt2_124m_config,

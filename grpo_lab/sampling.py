@@ -12,10 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from .objective import position_ids_from_mask, scale_logits, token_logprobs
+from .startup import gc_paused
 from .tasks import addition_reward
+
+with gc_paused():  # startup.py
+    from transformers import (
+        GenerationConfig,
+        LogitsProcessor,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
 
 class SamplingError(RuntimeError):

@@ -41,6 +41,7 @@ from ..config import PROFILE_MODELS, preset
 from ..models import quiet_loading
 from ..policy import load_policy
 from ..sampling import greedy_accuracy
+from ..startup import gc_paused
 from ..tasks import ProblemStream, addition_reward, eval_problems
 from ..trainer import Trainer
 from .memory import maxrss_mib
@@ -240,9 +241,10 @@ def run_trl(args: argparse.Namespace) -> dict:
 
 def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
     """A GRPOTrainer set up for the same work as grpo_lab's step, and its step timer."""
-    from transformers import TrainerCallback
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer
+    with gc_paused():  # startup.py
+        from transformers import TrainerCallback
+        from trl import GRPOConfig as TRLConfig
+        from trl import GRPOTrainer
 
 
     trl_args = TRLConfig(

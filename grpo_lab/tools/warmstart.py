@@ -8,9 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import GPT2LMHeadModel
 
-from ..models import TINY_MODEL_DIR, build_char_tokenizer, count_parameters, tiny_gpt2_config
+from ..models import (
+    TINY_MODEL_DIR,
+    GPT2LMHeadModel,
+    build_char_tokenizer,
+    count_parameters,
+    tiny_gpt2_config,
+)
 from ..policy import warm_start
 
 
