@@ -22,9 +22,10 @@ and each notebook runs whole on one worker (a notebook's cells share one kernel,
 - Each deterministic computation once: the run gets a private folder in
   GRPO_LAB_SESSION_CACHE (grpo_lab/memo.py), inherited by the workers, their notebook
   kernels and the processes they start. A lab and its solution run the same field scenarios,
-  fault runs, variant runs and memory measurements on the same seeds wherever the learner's
-  code is not involved, and the tests of those functions run them too; the first caller
-  computes, the others read its result. The folder is removed when the run ends.
+  fault runs, variant runs, memory measurements and course commands (notebooks 11 and 12,
+  `course.notebooks.run_command`) on the same seeds wherever the learner's code is not
+  involved, and the tests of those functions run them too; the first caller computes, the
+  others read its result. The folder is removed when the run ends.
 """
 
 from __future__ import annotations

@@ -165,3 +165,29 @@ def test_a_device_scenario_runs_in_its_own_process_without_the_session(monkeypat
     monkeypatch.setattr(scenarios.subprocess, "run", fake_run)
     scenarios.run_on_device("pad-token-vocab-mismatch", False, "cpu")
     assert memo.SESSION_CACHE not in seen and seen[scenarios.DEVICE_ENV] == "cpu"
+
+
+def test_a_command_runs_once_and_each_caller_gets_its_files_and_output(tmp_path, monkeypatch):
+    """notebooks.run_command: the second caller (another notebook) gets the exit code, the
+    output with its own folder in it, and a copy of the files; the command ran once."""
+    from grpo_lab.course.notebooks import run_command
+
+    folder = tmp_path / "session"
+    folder.mkdir()
+    monkeypatch.setenv(memo.SESSION_CACHE, str(folder))
+    log = tmp_path / "ran.log"
+    script = ("import pathlib, sys; out = pathlib.Path(sys.argv[1]); out.mkdir();"
+              "(out / 'sub').mkdir(); (out / 'sub' / 'data.bin').write_bytes(bytes(range(256)));"
+              f"open({str(log)!r}, 'a').write('ran\\n');"
+              "print('wrote', out); print('problem in', out, file=sys.stderr); sys.exit(3)")
+    first = run_command([sys.executable, "-c", script, "{out}"], tmp_path / "lab")
+    second = run_command([sys.executable, "-c", script, "{out}"], tmp_path / "solution")
+    assert log.read_text() == "ran\n"
+    for run, out in ((first, tmp_path / "lab"), (second, tmp_path / "solution")):
+        assert run.returncode == 3
+        assert run.stdout == f"wrote {out}\n" and run.stderr == f"problem in {out}\n"
+        assert (out / "sub" / "data.bin").read_bytes() == bytes(range(256))
+    assert second.seconds == first.seconds > 0  # the run's own time, not the read's
+    monkeypatch.delenv(memo.SESSION_CACHE)  # outside a test run: it runs every time
+    run_command([sys.executable, "-c", script, "{out}"], tmp_path / "again")
+    assert log.read_text() == "ran\nran\n"

@@ -32,7 +32,10 @@ def test_one_worker_more_than_the_cpus_within_memory_and_the_cap(monkeypatch):
 
 
 def collected(browser: str) -> list[str]:
-    env = {**os.environ, "GRPO_LAB_BROWSER": browser}
+    # a plain `-n 0` run: not an xdist worker (whose variables would make the root conftest
+    # set torch's threads, importing torch to collect)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env["GRPO_LAB_BROWSER"] = browser
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
          "tests/browser/test_browser.py", "labs/00_setup_and_diagnostics.ipynb",

@@ -1,4 +1,5 @@
-"""Execute course notebooks and store their outputs: `python -m grpo_lab notebooks`.
+"""Execute course notebooks and store their outputs: `python -m grpo_lab notebooks`; and
+`run_command`, how a notebook runs a course command in a process of its own.
 
 Outputs policy: notebooks in solutions/ are committed *with* the outputs of one clean run
 (so a reader on the web sees the plots and numbers), refreshed only by this command;
@@ -8,9 +9,14 @@ repository. labs/ notebooks are committed without outputs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..memo import once_per_session
 from .labs import find_root
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -70,3 +76,53 @@ def main(paths: list[str]) -> int:
         print(f"{path}: {seconds:.0f} s")
     print(f"{len(targets)} notebooks, {total:.0f} s")
     return 0
+
+
+OUT = "{out}"  # the command's output folder, in run_command's argv and in what it returns
+
+
+@dataclass
+class CommandRun:
+    """What a command did: its exit code, what it printed, how long it ran."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def run_command(argv: list[str], out: Path, env: dict[str, str] | None = None,
+                timeout: int = 600) -> CommandRun:
+    """Run a course command (`python -m grpo_lab train ...`, torchrun) in a process of its own,
+    writing into the folder `out`, which `argv` names as "{out}"; `env`: variables to set
+    on top of this process's. Returns its exit code and output, with `out` where it printed
+    the folder.
+
+    Only for a command whose result depends on its arguments and the package alone, not on
+    files it reads (a learner's notebooks): under a test run a lab and its solution run the
+    same command, so the first runs it and the other gets its exit code, its output, the
+    seconds it ran and a copy of its files (grpo_lab/memo.py)."""
+    files, run = _run_in_fresh_folder(list(argv), dict(env or {}), timeout)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    return CommandRun(run.returncode, run.stdout.replace(OUT, str(out)),
+                      run.stderr.replace(OUT, str(out)), run.seconds)
+
+
+@once_per_session
+def _run_in_fresh_folder(argv: list[str], env: dict[str, str], timeout: int
+                         ) -> tuple[dict[str, bytes], CommandRun]:
+    """({file name under the output folder: its bytes}, the run, "{out}" for the folder)."""
+    with tempfile.TemporaryDirectory(prefix="grpo_lab_command_") as tmp:
+        folder = Path(tmp) / "out"
+        t0 = time.perf_counter()
+        p = subprocess.run([a.replace(OUT, str(folder)) for a in argv], capture_output=True,
+                           text=True, timeout=timeout, env={**os.environ, **env})
+        seconds = time.perf_counter() - t0
+        files = {str(f.relative_to(folder)): f.read_bytes()
+                 for f in sorted(folder.rglob("*")) if f.is_file()}
+    return files, CommandRun(p.returncode, p.stdout.replace(str(folder), OUT),
+                             p.stderr.replace(str(folder), OUT), seconds)
