@@ -38,6 +38,7 @@ import tempfile
 import time
 
 from ..config import PROFILE_MODELS, preset
+from ..memo import once_per_session
 from ..models import quiet_loading
 from ..policy import load_policy
 from ..sampling import greedy_accuracy
@@ -237,6 +238,19 @@ def run_trl(args: argparse.Namespace) -> dict:
     return {**timer.progress.figures(), "acc0": acc0, "acc": acc,
             "moved": distance(trainer.model, start), "matmul_params": matmul_params(trainer.model),
             "prompt_tokens": mean_prompt_tokens(tokenizer, cfg)}
+
+
+@once_per_session
+def both_sides(args: argparse.Namespace) -> dict[str, tuple[dict, float]]:
+    """Both sides in this process, grpo_lab's then TRL's (notebook 12): {side: (its result,
+    the seconds it took)}. No peak memory: in one process the second side's would include
+    the first's (the comparison, `main`, runs each side in a fresh process)."""
+    out = {}
+    for side, run in (("grpo_lab", run_grpo_lab), ("TRL", run_trl)):
+        t0 = time.perf_counter()
+        result = run(args)
+        out[side] = (result, time.perf_counter() - t0)
+    return out
 
 
 def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
