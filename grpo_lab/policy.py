@@ -41,7 +41,7 @@ DEV_SIZE = 256
 def supervised_batch(tokenizer, problems, device):
     """Left-padded "prompt answer<eos>" rows; the loss covers the answer and EOS only."""
     # one tokenizer call per column, not per problem: the warm start makes 64-row batches
-    # hundreds of times (build-model: 7 s of its 69 s went to per-problem calls)
+    # hundreds of times (a cProfile of build-model: 7 s of 69 s in per-problem calls)
     prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False).input_ids
     answers = tokenizer([p.answer for p in problems], add_special_tokens=False).input_ids
     rows = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers, strict=True)]
