@@ -369,8 +369,7 @@ def cmd_scenario(args) -> int:
         outcome, after = Outcome(result["symptom"], result["evidence"]), result["after"]
     side = "fixed" if args.fixed else "broken"
     expected = outcome.symptom != args.fixed
-    verdict = ("symptom reproduced" if outcome.symptom else "symptom gone")
-    print(f"\n[{side}] {verdict}: {outcome.evidence}")
+    print("\n" + outcome.line(side))
     if after is not None:
         print(f"[{side}] on {args.device}, in a fresh process; the next operation on the "
               f"device there: {after}")

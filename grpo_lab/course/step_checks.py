@@ -28,6 +28,7 @@ import torch
 
 from .. import naive
 from ..config import preset
+from ..field.variants import SAMPLING_CRASH
 from ..objective import (
     clipped_surrogate,
     completion_logprobs,
@@ -991,7 +992,7 @@ def check_training_state_bytes(fn: Callable) -> CheckResult:
     ])
 
 
-MULTINOMIAL = "probability tensor contains"
+MULTINOMIAL = SAMPLING_CRASH  # the start of torch.multinomial's message on NaN weights
 
 
 def check_safe_sample(fn: Callable) -> CheckResult:

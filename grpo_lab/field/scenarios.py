@@ -41,6 +41,10 @@ class Outcome:
     symptom: bool  # the failure's symptom showed up
     evidence: str  # the error text or the numbers that show it (or show it gone)
 
+    def line(self, side: str) -> str:
+        """What `python -m grpo_lab scenario` prints of it: "[broken] symptom reproduced: ..."."""
+        return f"[{side}] {'symptom reproduced' if self.symptom else 'symptom gone'}: {self.evidence}"
+
 
 def _describe(e: BaseException) -> str:
     """'Type: first line of the message'."""
