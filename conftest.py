@@ -26,13 +26,23 @@ and each notebook runs whole on one worker (a notebook's cells share one kernel,
   `course.notebooks.run_command`) on the same seeds wherever the learner's code is not
   involved, and the tests of those functions run them too; the first caller computes, the
   others read its result. The folder is removed when the run ends.
+- Kernels forked warm: a worker's first notebook starts tests/warm_kernels.py's server,
+  which imports torch, transformers, matplotlib and grpo_lab once; every notebook kernel of
+  that worker is then forked from it instead of importing them again (about 3.5 s of CPU
+  each). WARM_KERNELS=0 turns it off (every kernel a fresh `ipykernel_launcher`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
+
+import pytest
 
 MAX_WORKERS = 4
 # a worker's budget: itself (0.35 GB peak RSS with torch, transformers and TRL imported) and
@@ -90,6 +100,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/test_memo.py": 10,
 }
 DEFAULT_SECONDS = 5.0
+_WARM = pytest.StashKey[dict]()  # this process's warm-kernel server: its client argv
 
 
 def available_cpus() -> int:
@@ -132,6 +143,58 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if config.pluginmanager.hasplugin("nbval"):
+        _use_warm_kernels(config)
+
+
+WARM_KERNELS = Path(__file__).parent / "tests" / "warm_kernels.py"
+# the server's socket, for the clients in the kernels' environment (not GRPO_LAB_*: those are
+# the package's switches, part of every memo key, and the path differs between workers)
+WARM_KERNELS_SOCKET = "WARM_KERNELS_SOCKET"
+
+
+def _warm_kernel_argv(config) -> list[str] | None:
+    """The client's argv for nbval's kernel, starting this process's server the first time;
+    None where there is none (off, not Linux, or the server did not come up)."""
+    state = config.stash.setdefault(_WARM, {})
+    if "argv" in state:
+        return state["argv"]
+    state["argv"] = None
+    # Linux only: on macOS a process that forks without exec can crash in system frameworks
+    # a library has initialised (why multiprocessing spawns there)
+    if os.environ.get("WARM_KERNELS") == "0" or not sys.platform.startswith("linux") or \
+            not os.environ.get("GRPO_LAB_SESSION_CACHE"):
+        return None
+    path = os.path.join(os.environ["GRPO_LAB_SESSION_CACHE"],
+                        f"kernels-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.sock")
+    server = subprocess.Popen([sys.executable, str(WARM_KERNELS), "--serve", path],
+                              stdin=subprocess.DEVNULL)
+    config.add_cleanup(lambda: (server.kill(), server.wait()))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if server.poll() is not None or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    os.environ[WARM_KERNELS_SOCKET] = path  # the clients read it from the kernels' environment
+    state["argv"] = [sys.executable, str(WARM_KERNELS), "-f", "{connection_file}"]
+    return state["argv"]
+
+
+def _use_warm_kernels(config) -> None:
+    """nbval's --nbval-current-env kernel, started through the warm server."""
+    from nbval import kernel
+
+    plain = kernel.NbvalKernelspecManager.get_kernel_spec
+
+    def get_kernel_spec(self, kernel_name):
+        spec = plain(self, kernel_name)
+        if kernel_name == kernel.CURRENT_ENV_KERNEL_NAME:
+            argv = _warm_kernel_argv(config)
+            if argv is not None:
+                spec.argv = list(argv)
+        return spec
+
+    kernel.NbvalKernelspecManager.get_kernel_spec = get_kernel_spec
 
 
 def pytest_xdist_auto_num_workers(config):

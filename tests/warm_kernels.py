@@ -1,0 +1,180 @@
+"""Notebook kernels for the test run, forked from a process that has imported the course's
+libraries already.
+
+Every notebook of the suite runs in a kernel of its own, and each kernel used to spend about
+3.5 s of CPU importing torch, transformers, matplotlib and grpo_lab before its first cell
+did any work: some 100 s of the suite's CPU. Instead, each test worker starts one server
+(`python warm_kernels.py --serve SOCKET`) that imports all of that once; nbval's kernel
+command becomes this file as a client (`python warm_kernels.py -f CONNECTION_FILE`, see
+the root conftest.py), and the server forks a kernel for it that starts with those modules
+loaded (copy-on-write). What a kernel gets is what `python -m ipykernel_launcher -f ...`
+gets: the client's environment, working directory, arguments and standard streams, its
+own session and process group. The modules are imported, not run: a notebook still has to
+import what it uses, and every cell runs in the kernel as before.
+
+The client stands for the kernel towards jupyter_client: it forwards the signals
+jupyter_client sends (interrupt, terminate) to the kernel's process group and exits with
+the kernel's exit status; when the client dies (SIGKILL on shutdown), the server kills the
+kernel's process group. No server reachable: the client execs the plain ipykernel launcher.
+
+Linux only (fork without exec, file descriptors passed over a Unix socket); elsewhere the
+conftest starts plain kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+SOCKET_ENV = "WARM_KERNELS_SOCKET"  # the server's socket, set in each test worker
+RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+           signal.SIGUSR2)
+# what the notebooks' setup cells import, once for all kernels of a worker
+PRELOAD = (
+    "torch", "numpy", "ipykernel.kernelapp", "ipykernel.ipkernel", "IPython.display",
+    "tqdm.auto", "ipywidgets", "matplotlib.pyplot", "grpo_lab.trainer", "grpo_lab.policy",
+    "grpo_lab.sampling", "grpo_lab.objective", "grpo_lab.course.steps",
+    "grpo_lab.course.checks", "grpo_lab.course.step_checks", "grpo_lab.course.hardening_checks",
+    "grpo_lab.course.workbook", "grpo_lab.course.plots", "grpo_lab.field.scenarios",
+)
+
+
+# --- the client: what jupyter_client starts as the kernel -------------------------------------
+def client(argv: list[str]) -> None:
+    path = os.environ.get(SOCKET_ENV, "")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:  # no server: the kernel jupyter_client would have started
+        conn.close()
+        os.execv(sys.executable, [sys.executable, "-m", "ipykernel_launcher", *argv])
+    request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    socket.send_fds(conn, [request + b"\n"], [0, 1, 2])
+    reader = conn.makefile("rb")
+    pid = int(reader.readline())
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in RELAYED:
+        signal.signal(signum, forward)
+    status = reader.readline().strip()
+    sys.exit(int(status) if status else 1)
+
+
+# --- the server: one per test worker ----------------------------------------------------------
+def _kernel(request: dict, fds: list[int], closing: list[socket.socket]) -> None:
+    """In the forked child: become the kernel the request asks for; never returns."""
+    code = 1
+    try:
+        for s in closing:
+            s.close()
+        os.setsid()
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        for signum in RELAYED + (signal.SIGCHLD,):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import ipykernel_launcher
+
+        sys.argv = [ipykernel_launcher.__file__, *request["argv"]]
+        sys.path[0] = request["cwd"]  # as `python -m ipykernel_launcher` run there has it
+        from ipykernel import kernelapp
+
+        try:
+            kernelapp.launch_new_instance()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - report it on the kernel's stderr, then exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    import importlib
+    import select
+
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # as ipykernel
+    for name in PRELOAD:
+        importlib.import_module(name)
+    del os.environ["MPLBACKEND"]
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # ready: a client connecting now gets a warm kernel
+    listener.listen(16)
+    kernels: dict[socket.socket, int] = {}  # client connection -> kernel pid
+    try:
+        while os.getppid() == parent:  # the worker that started this server is alive
+            ready, _, _ = select.select([listener, *kernels], [], [], 0.2)
+            for s in ready:
+                if s is listener:
+                    conn, _ = listener.accept()
+                    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                    while not message.endswith(b"\n"):
+                        message += conn.recv(1 << 20)
+                    pid = os.fork()
+                    if pid == 0:
+                        _kernel(json.loads(message), fds, [listener, conn, *kernels])
+                    for fd in fds:
+                        os.close(fd)
+                    conn.sendall(f"{pid}\n".encode())
+                    kernels[conn] = pid
+                else:  # the client went away before its kernel: kill the kernel
+                    _kill(kernels.pop(s))
+                    s.close()
+            for conn, pid in list(kernels.items()):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    try:
+                        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    except OSError:
+                        pass
+                    conn.close()
+                    del kernels[conn]
+    finally:
+        for pid in kernels.values():
+            _kill(pid)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+    else:
+        client(sys.argv[1:])
