@@ -30,7 +30,7 @@ def run(kc, code: str, timeout: float = 60) -> dict:
         elif kind in ("display_data", "execute_result"):
             out["data"] += list(content["data"])
         elif kind == "error":
-            out["error"] = content["ename"]
+            out["error"] = f"{content['ename']}: {content['evalue']}"
 
     out["reply"] = kc.execute_interactive(code, timeout=timeout, output_hook=hook)["content"][
         "status"]
@@ -72,19 +72,60 @@ def start(kernel_spec, cwd, **env):
     return km, kc
 
 
-def test_a_forked_kernel_runs_where_and_as_asked_plots_and_can_be_interrupted(
-        kernel_spec, server, tmp_path):
+# what a kernel looks like from inside, after a setup cell's imports: a forked kernel must
+# look the same as one `python -m ipykernel_launcher` started
+PROBE = """
+import comm, json, os, sys
+import matplotlib, torch, tqdm.auto
+from huggingface_hub.utils import tqdm as hub_tqdm
+import grpo_lab.course.steps, grpo_lab.trainer
+from ipykernel.kernelapp import IPKernelApp
+def mro(cls):
+    return [c.__module__ + "." + c.__name__ for c in cls.__mro__]
+print(json.dumps({
+    "tqdm.auto": mro(tqdm.auto.tqdm), "huggingface_hub's tqdm": mro(hub_tqdm),
+    "comm targets": sorted(comm.get_comm_manager().targets),
+    "parent_handle": IPKernelApp.instance().parent_handle == int(os.environ["JPY_PARENT_PID"]),
+    "matplotlib backend": matplotlib.get_backend(), "torch threads": torch.get_num_threads(),
+    "cwd": os.getcwd(), "sys.path": sys.path, "own process group": os.getpgid(0) == os.getpid(),
+    "GRPO_LAB_PROBE": os.environ.get("GRPO_LAB_PROBE"), "argv": sys.argv[1:2],
+}))
+"""
+
+
+def probe(kernel_spec, cwd, socket_path) -> tuple[dict, bool, int]:
+    """The PROBE's answer in a kernel started with WARM_KERNELS_SOCKET=socket_path, whether
+    torch was loaded before any cell imported it, and the kernel's parent pid."""
+    km, kc = start(kernel_spec, cwd, GRPO_LAB_PROBE="from the client",
+                   WARM_KERNELS_SOCKET=socket_path)
+    try:
+        before = run(kc, "import os, sys\nprint('torch' in sys.modules, os.getppid())")
+        preloaded, ppid = before["stdout"].split()
+        answer = run(kc, PROBE)
+        assert answer["reply"] == "ok", answer
+        return json.loads(answer["stdout"]), preloaded == "True", int(ppid)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_forked_kernel_is_a_plain_one_with_its_modules_loaded(kernel_spec, server, tmp_path):
     cwd = tmp_path / "notebooks"
     cwd.mkdir()
-    km, kc = start(kernel_spec, cwd, GRPO_LAB_PROBE="from the client")
-    try:
-        r = run(kc, "import os, sys\nprint(os.getppid(), 'torch' in sys.modules, os.getcwd(), "
-                    "os.environ.get('GRPO_LAB_PROBE').replace(' ', '_'), sys.path[0], os.getpgid(0) == os.getpid())")
-        ppid, preloaded, where, probe, path0, leader = r["stdout"].split(" ", 5)[:6]
-        assert int(ppid) == server.pid and preloaded == "True", r  # forked, warm
-        assert where == str(cwd) and path0 == str(cwd) and probe == "from_the_client", r
-        assert leader.split()[-1] == "True", r  # its own process group, as the launcher gives it
+    forked, warm, parent = probe(kernel_spec, cwd, os.environ["WARM_KERNELS_SOCKET"])
+    assert warm and parent == server.pid  # forked from the server, torch loaded
+    plain, warm, parent = probe(kernel_spec, cwd, str(tmp_path / "nobody.sock"))
+    assert not warm and parent != server.pid  # no server there: ipykernel_launcher
+    assert forked == plain
+    assert plain["cwd"] == str(cwd) and plain["own process group"]
+    assert plain["GRPO_LAB_PROBE"] == "from the client" and plain["parent_handle"]
+    assert "tqdm.notebook.tqdm_notebook" in plain["tqdm.auto"]  # widget bars, in both
 
+
+def test_a_forked_kernel_plots_can_be_interrupted_and_dies_with_its_client(
+        kernel_spec, server, tmp_path):
+    km, kc = start(kernel_spec, tmp_path)
+    try:
         r = run(kc, "import matplotlib.pyplot as plt\nplt.plot([0, 1])\nplt.show()")
         assert r["reply"] == "ok" and "image/png" in r["data"], r  # the inline backend
 
@@ -103,7 +144,7 @@ def test_a_forked_kernel_runs_where_and_as_asked_plots_and_can_be_interrupted(
         assert time.monotonic() - t0 < 10
         assert run(kc, "print(6 * 7)")["stdout"].strip() == "42"  # still alive
 
-        pid = int(run(kc, "print(os.getpid())")["stdout"])
+        pid = int(run(kc, "import os\nprint(os.getpid())")["stdout"])
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)  # SIGKILL to the client: the server kills the kernel
@@ -117,14 +158,3 @@ def test_a_forked_kernel_runs_where_and_as_asked_plots_and_can_be_interrupted(
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the kernel outlived its client")
-
-
-def test_without_a_server_the_client_starts_a_plain_kernel(kernel_spec, tmp_path, monkeypatch):
-    monkeypatch.setenv("WARM_KERNELS_SOCKET", str(tmp_path / "nobody.sock"))
-    km, kc = start(kernel_spec, tmp_path)
-    try:
-        r = run(kc, "import sys\nprint('torch' in sys.modules, 1 + 1)")
-        assert r["stdout"].split() == ["False", "2"], r
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)

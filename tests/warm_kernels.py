@@ -32,14 +32,21 @@ import sys
 SOCKET_ENV = "WARM_KERNELS_SOCKET"  # the server's socket, set in each test worker
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
-# what the notebooks' setup cells import, once for all kernels of a worker
+# What the notebooks' setup cells import, once for all kernels of a worker. A module that
+# looks at its surroundings when imported must see what it would in a kernel: tqdm.auto
+# picks its notebook bars when ipykernel's shell module is loaded (so that comes first, and
+# transformers' and grpo_lab's bars are widgets, as in a fresh kernel), matplotlib takes its
+# backend from MPLBACKEND (set below as ipykernel sets it), and ipywidgets registers its comm
+# targets only inside a kernel (done again in the child, see _kernel). ipykernel's kernelapp
+# is not loaded here: it reads the kernel's JPY_PARENT_PID when imported.
 PRELOAD = (
-    "torch", "numpy", "ipykernel.kernelapp", "ipykernel.ipkernel", "IPython.display",
-    "tqdm.auto", "ipywidgets", "matplotlib.pyplot", "grpo_lab.trainer", "grpo_lab.policy",
-    "grpo_lab.sampling", "grpo_lab.objective", "grpo_lab.course.steps",
-    "grpo_lab.course.checks", "grpo_lab.course.step_checks", "grpo_lab.course.hardening_checks",
+    "ipykernel.zmqshell", "torch", "numpy", "ipywidgets", "tqdm.auto", "IPython.display",
+    "matplotlib.pyplot", "grpo_lab.trainer", "grpo_lab.policy", "grpo_lab.sampling",
+    "grpo_lab.objective", "grpo_lab.course.steps", "grpo_lab.course.checks",
+    "grpo_lab.course.step_checks", "grpo_lab.course.hardening_checks",
     "grpo_lab.course.workbook", "grpo_lab.course.plots", "grpo_lab.field.scenarios",
 )
+NOT_PRELOADED = ("ipykernel.kernelapp",)
 
 
 # --- the client: what jupyter_client starts as the kernel -------------------------------------
@@ -90,11 +97,17 @@ def _kernel(request: dict, fds: list[int], closing: list[socket.socket]) -> None
         import ipykernel_launcher
 
         sys.argv = [ipykernel_launcher.__file__, *request["argv"]]
-        sys.path[0] = request["cwd"]  # as `python -m ipykernel_launcher` run there has it
-        from ipykernel import kernelapp
+        # the launcher removes its own folder (the kernel's cwd) from the front of sys.path
+        # before importing ipykernel; this server's front entry is its own folder
+        del sys.path[0]
+        import ipywidgets
+        from ipykernel.kernelapp import IPKernelApp
 
         try:
-            kernelapp.launch_new_instance()
+            app = IPKernelApp.instance()  # what launch_new_instance does, with one step added
+            app.initialize()
+            ipywidgets.register_comm_target()  # what importing it in a kernel would have done
+            app.start()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -119,6 +132,9 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     del os.environ["MPLBACKEND"]
+    loaded = [name for name in NOT_PRELOADED if name in sys.modules]
+    if loaded:
+        sys.exit(f"warm_kernels: {loaded} must not be imported before the kernel's environment")
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
