@@ -173,6 +173,8 @@ def _warm_kernel_argv(config) -> list[str] | None:
     deadline = time.monotonic() + 120
     while not os.path.exists(path):
         if server.poll() is not None or time.monotonic() > deadline:
+            sys.stderr.write(f"[conftest] the warm kernel server did not start (exit code "
+                             f"{server.poll()}): notebooks run in plain kernels\n")
             return None
         time.sleep(0.05)
     os.environ[WARM_KERNELS_SOCKET] = path  # the clients read it from the kernels' environment
