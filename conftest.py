@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -147,10 +145,15 @@ def pytest_configure(config):
         _use_warm_kernels(config)
 
 
-WARM_KERNELS = Path(__file__).parent / "tests" / "warm_kernels.py"
-# the server's socket, for the clients in the kernels' environment (not GRPO_LAB_*: those are
-# the package's switches, part of every memo key, and the path differs between workers)
-WARM_KERNELS_SOCKET = "WARM_KERNELS_SOCKET"
+def _warm_kernels():
+    """tests/warm_kernels.py, loaded by path (tests/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).parent / "tests" / "warm_kernels.py"
+    spec = importlib.util.spec_from_file_location("warm_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _warm_kernel_argv(config) -> list[str] | None:
@@ -165,20 +168,20 @@ def _warm_kernel_argv(config) -> list[str] | None:
     if os.environ.get("WARM_KERNELS") == "0" or not sys.platform.startswith("linux") or \
             not os.environ.get("GRPO_LAB_SESSION_CACHE"):
         return None
+    warm = _warm_kernels()
     path = os.path.join(os.environ["GRPO_LAB_SESSION_CACHE"],
                         f"kernels-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.sock")
-    server = subprocess.Popen([sys.executable, str(WARM_KERNELS), "--serve", path],
-                              stdin=subprocess.DEVNULL)
+    server, ready = warm.start_server(path)
     config.add_cleanup(lambda: (server.kill(), server.wait()))
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path):
-        if server.poll() is not None or time.monotonic() > deadline:
-            sys.stderr.write(f"[conftest] the warm kernel server did not start (exit code "
-                             f"{server.poll()}): notebooks run in plain kernels\n")
-            return None
-        time.sleep(0.05)
-    os.environ[WARM_KERNELS_SOCKET] = path  # the clients read it from the kernels' environment
-    state["argv"] = [sys.executable, str(WARM_KERNELS), "-f", "{connection_file}"]
+    if not ready:
+        sys.stderr.write(f"[conftest] the warm kernel server did not start (exit code "
+                         f"{server.poll()}): notebooks run in plain kernels\n")
+        return None
+    # the clients read the socket from the kernels' environment (not a GRPO_LAB_* variable:
+    # those are the package's switches, part of every memo key, and the path differs
+    # between workers)
+    os.environ[warm.SOCKET_ENV] = path
+    state["argv"] = list(warm.CLIENT_ARGV)
     return state["argv"]
 
 

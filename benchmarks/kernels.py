@@ -17,16 +17,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from jupyter_client.manager import KernelManager
 
 ROOT = Path(__file__).resolve().parent.parent
-WARM_KERNELS = ROOT / "tests" / "warm_kernels.py"
+sys.path.insert(0, str(ROOT / "tests"))
+import warm_kernels  # noqa: E402 - tests/warm_kernels.py, the suite's server and client
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -35,11 +35,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
-def kernel_cpu(spec_dir: Path, name: str, notebook: Path) -> float:
+def kernel_cpu(name: str, notebook: Path) -> float:
     """Start the kernel `name`, run the notebook's first code cell, return its CPU."""
     cells = json.loads(notebook.read_text())["cells"]
     setup = "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
-    os.environ["JUPYTER_PATH"] = str(spec_dir)
     km = KernelManager(kernel_name=name)
     km.start_kernel(cwd=str(notebook.parent))
     kc = km.client()
@@ -59,18 +58,6 @@ def kernel_cpu(spec_dir: Path, name: str, notebook: Path) -> float:
         km.shutdown_kernel(now=True)
 
 
-def kernelspecs(folder: Path) -> None:
-    for name, argv in {
-        "plain": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "warm": [sys.executable, str(WARM_KERNELS), "-f", "{connection_file}"],
-    }.items():
-        spec = folder / "kernels" / name
-        spec.mkdir(parents=True)
-        (spec / "kernel.json").write_text(json.dumps(
-            {"argv": argv, "display_name": name, "language": "python",
-             "interrupt_mode": "signal"}))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path)
@@ -79,15 +66,17 @@ def main(argv: list[str] | None = None) -> None:
     notebooks = args.notebooks or sorted((ROOT / "solutions").glob("*.ipynb"))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        kernelspecs(tmp)
+        warm_kernels.write_kernelspec(tmp, "plain", [sys.executable, "-m", "ipykernel_launcher",
+                                                     "-f", "{connection_file}"])
+        warm_kernels.write_kernelspec(tmp, "warm", warm_kernels.CLIENT_ARGV)
+        os.environ["JUPYTER_PATH"] = str(tmp)
         socket_path = str(tmp / "k.sock")
-        server = subprocess.Popen([sys.executable, str(WARM_KERNELS), "--serve", socket_path])
-        while not os.path.exists(socket_path):
-            if server.poll() is not None:
-                sys.exit("the warm server did not start")
-            time.sleep(0.05)
+        server, ready = warm_kernels.start_server(socket_path)
+        if not ready:
+            server.kill()
+            sys.exit("the warm server did not start")
         print(f"warm server: {cpu_seconds(server.pid):.2f} s of CPU for its imports, once")
-        os.environ["WARM_KERNELS_SOCKET"] = socket_path
+        os.environ[warm_kernels.SOCKET_ENV] = socket_path
         print(f"{'notebook':<46} {'plain':>6} {'warm':>6}  (kernel CPU s, median of "
               f"{args.repeat})")
         totals = {"plain": 0.0, "warm": 0.0}
@@ -96,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = {}
                 for name in ("plain", "warm"):
                     row[name] = statistics.median(
-                        kernel_cpu(tmp, name, nb.resolve()) for _ in range(args.repeat))
+                        kernel_cpu(name, nb.resolve()) for _ in range(args.repeat))
                     totals[name] += row[name]
                 print(f"{nb.name:<46} {row['plain']:6.2f} {row['warm']:6.2f}")
         finally:

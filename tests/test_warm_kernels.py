@@ -4,15 +4,12 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+import warm_kernels  # tests/warm_kernels.py
 from jupyter_client.manager import KernelManager
-
-WARM_KERNELS = Path(__file__).parent / "warm_kernels.py"
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the suite forks warm kernels on Linux only")
@@ -20,7 +17,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 def run(kc, code: str, timeout: float = 60) -> dict:
     """Execute `code`; its result: 'reply' (status), 'stdout', 'data' (MIME types shown),
-    'error' (the exception's name)."""
+    'error' (the exception's name and message)."""
     out = {"stdout": "", "data": [], "error": None}
 
     def hook(msg):
@@ -40,11 +37,7 @@ def run(kc, code: str, timeout: float = 60) -> dict:
 @pytest.fixture
 def kernel_spec(tmp_path, monkeypatch):
     """A kernelspec named 'warm' whose command is the client, found through JUPYTER_PATH."""
-    spec = tmp_path / "jupyter" / "kernels" / "warm"
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, str(WARM_KERNELS), "-f", "{connection_file}"],
-        "display_name": "warm", "language": "python", "interrupt_mode": "signal"}))
+    warm_kernels.write_kernelspec(tmp_path / "jupyter", "warm", warm_kernels.CLIENT_ARGV)
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     return "warm"
 
@@ -52,15 +45,14 @@ def kernel_spec(tmp_path, monkeypatch):
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     path = str(tmp_path / "k.sock")
-    proc = subprocess.Popen([sys.executable, str(WARM_KERNELS), "--serve", path])
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path):
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    monkeypatch.setenv("WARM_KERNELS_SOCKET", path)
-    yield proc
-    proc.kill()
-    proc.wait()
+    proc, ready = warm_kernels.start_server(path)
+    try:
+        assert ready, f"the server did not start (exit code {proc.poll()})"
+        monkeypatch.setenv(warm_kernels.SOCKET_ENV, path)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def start(kernel_spec, cwd, **env):
@@ -94,10 +86,10 @@ print(json.dumps({
 
 
 def probe(kernel_spec, cwd, socket_path) -> tuple[dict, bool, int]:
-    """The PROBE's answer in a kernel started with WARM_KERNELS_SOCKET=socket_path, whether
+    """The PROBE's answer in a kernel whose client is told the server at socket_path, whether
     torch was loaded before any cell imported it, and the kernel's parent pid."""
     km, kc = start(kernel_spec, cwd, GRPO_LAB_PROBE="from the client",
-                   WARM_KERNELS_SOCKET=socket_path)
+                   **{warm_kernels.SOCKET_ENV: socket_path})
     try:
         before = run(kc, "import os, sys\nprint('torch' in sys.modules, os.getppid())")
         preloaded, ppid = before["stdout"].split()
@@ -112,7 +104,7 @@ def probe(kernel_spec, cwd, socket_path) -> tuple[dict, bool, int]:
 def test_a_forked_kernel_is_a_plain_one_with_its_modules_loaded(kernel_spec, server, tmp_path):
     cwd = tmp_path / "notebooks"
     cwd.mkdir()
-    forked, warm, parent = probe(kernel_spec, cwd, os.environ["WARM_KERNELS_SOCKET"])
+    forked, warm, parent = probe(kernel_spec, cwd, os.environ[warm_kernels.SOCKET_ENV])
     assert warm and parent == server.pid  # forked from the server, torch loaded
     plain, warm, parent = probe(kernel_spec, cwd, str(tmp_path / "nobody.sock"))
     assert not warm and parent != server.pid  # no server there: ipykernel_launcher

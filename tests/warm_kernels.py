@@ -3,7 +3,7 @@ libraries already.
 
 Every notebook of the suite runs in a kernel of its own, and each kernel used to spend about
 3.5 s of CPU importing torch, transformers, matplotlib and grpo_lab before its first cell
-did any work: some 100 s of the suite's CPU. Instead, each test worker starts one server
+did any work: about 85 s of the suite's CPU (benchmarks/kernels.py). Instead, each test worker starts one server
 (`python warm_kernels.py --serve SOCKET`) that imports all of that once; nbval's kernel
 command becomes this file as a client (`python warm_kernels.py -f CONNECTION_FILE`, see
 the root conftest.py), and the server forks a kernel for it that starts with those modules
@@ -27,7 +27,10 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 SOCKET_ENV = "WARM_KERNELS_SOCKET"  # the server's socket, set in each test worker
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -47,6 +50,30 @@ PRELOAD = (
     "grpo_lab.course.workbook", "grpo_lab.course.plots", "grpo_lab.field.scenarios",
 )
 NOT_PRELOADED = ("ipykernel.kernelapp",)
+# nbval's (or any kernelspec's) command for a kernel from the server named by SOCKET_ENV
+CLIENT_ARGV = [sys.executable, str(Path(__file__).resolve()), "-f", "{connection_file}"]
+
+
+# --- for the processes that use it: the root conftest.py, the tests, the benchmark ----------------
+def start_server(path: str, timeout: float = 120) -> tuple[subprocess.Popen, bool]:
+    """Start a server listening on the Unix socket `path`; return it and whether it is ready
+    (its socket exists) within `timeout` seconds. The caller kills it when done."""
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", path],
+                              stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if server.poll() is not None or time.monotonic() > deadline:
+            return server, False
+        time.sleep(0.05)
+    return server, True
+
+
+def write_kernelspec(folder: Path, name: str, argv: list[str]) -> None:
+    """A kernelspec `name` running `argv`, for JUPYTER_PATH=folder."""
+    spec = Path(folder) / "kernels" / name
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps(
+        {"argv": argv, "display_name": name, "language": "python", "interrupt_mode": "signal"}))
 
 
 # --- the client: what jupyter_client starts as the kernel -------------------------------------
@@ -128,10 +155,12 @@ def serve(path: str) -> None:
     import importlib
     import select
 
-    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # as ipykernel
+    mplbackend = os.environ.get("MPLBACKEND")  # ipykernel sets it where it is not set
+    os.environ["MPLBACKEND"] = mplbackend or "module://matplotlib_inline.backend_inline"
     for name in PRELOAD:
         importlib.import_module(name)
-    del os.environ["MPLBACKEND"]
+    if not mplbackend:
+        del os.environ["MPLBACKEND"]
     loaded = [name for name in NOT_PRELOADED if name in sys.modules]
     if loaded:
         sys.exit(f"warm_kernels: {loaded} must not be imported before the kernel's environment")
