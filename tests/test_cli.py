@@ -24,14 +24,23 @@ def metrics(out):
     return read_metrics(out)
 
 
+def capstone_run(preset: str, steps: int, out):
+    """Notebook 11's command for `preset` (the same argv, so in a test run the labs' and
+    solutions' notebook 11 and this file run it once between them: course.notebooks)."""
+    from grpo_lab.course.notebooks import run_command
+
+    return run_command([sys.executable, "-m", "grpo_lab", "train", "--preset", preset,
+                        "--steps", str(steps), "--seed", "0", "--eval-every", "20",
+                        "--eval-size", "128", "--out", "{out}", "--no-progress"], out=out)
+
+
 def test_short_stable_run_improves_eval_accuracy(tmp_path):
     out = tmp_path / "stable"
-    p = run("train", "--preset", "stable", "--steps", "60", "--seed", "0", "--out", str(out),
-            "--eval-every", "30", "--no-progress")
+    p = capstone_run("stable", 100, out)
     assert p.returncode == 0, p.stderr
     ms = metrics(out)
     acc = [m["eval/accuracy"] for m in ms if "eval/accuracy" in m]
-    assert [m["step"] for m in ms if "eval/accuracy" in m] == [0, 30, 60]
+    assert [m["step"] for m in ms if "eval/accuracy" in m] == [0, 20, 40, 60, 80, 100]
     assert acc[-1] >= acc[0] + 0.1, acc
     assert (out / "metrics.png").stat().st_size > 10_000
     assert (out / "checkpoint.pt").exists() and not (out / "checkpoint.pt.tmp").exists()
@@ -41,14 +50,14 @@ def test_short_stable_run_improves_eval_accuracy(tmp_path):
         assert key in ms[1], key
 
     # --resume with more steps continues the same run
-    p = run("train", "--steps", "62", "--out", str(out), "--resume", "--no-progress")
+    p = run("train", "--steps", "102", "--out", str(out), "--resume", "--no-progress")
     assert p.returncode == 0, p.stderr
-    assert [m["step"] for m in metrics(out)] == list(range(63))
+    assert [m["step"] for m in metrics(out)] == list(range(103))
 
 
 def test_naive_run_crashes_with_the_real_error_and_a_diagnosis(tmp_path):
     out = tmp_path / "naive"
-    p = run("train", "--preset", "naive", "--steps", "100", "--out", str(out), "--no-progress")
+    p = capstone_run("naive", 30, out)  # seed 0 crashes at step 16
     assert p.returncode == 1
     assert "RuntimeError: probability tensor contains either `inf`, `nan` or element < 0" \
         in p.stderr
