@@ -1,13 +1,16 @@
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("GRPO_LAB_PROFILE", "cpu")
 
 
 @pytest.fixture(autouse=True)
 def _seed():
+    # imported here: the xdist controller loads this file at start and never needs torch
+    # (1.4 s before the workers start); the workers have it loaded already
+    import torch
+
     torch.manual_seed(0)
 
 
