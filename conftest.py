@@ -47,14 +47,15 @@ MAX_WORKERS = 4
 # what it starts (a notebook kernel or a CLI run: 0.4 GB for a short Trainer run; torchrun: two)
 WORKER_MEMORY_GIB = 2.0
 
-# Seconds each file kept one worker busy: per-file sums from benchmarks/suite_times.py of a
-# `./course test` run with 3 workers, one torch thread each, on an idle 2-core machine
-# (inflated by the workers sharing 2 cores; only their order is used: longest first). The two
-# browser files: from a `./course test --browser` run. A file not listed counts as
-# DEFAULT_SECONDS. Refresh when a file's time moves a lot:
+# Seconds each file kept one worker busy: per-file sums from benchmarks/suite_times.py,
+# averaged over two `./course test` runs with 3 workers, one torch thread each, on an idle
+# 2-core machine (inflated by the workers sharing 2 cores; only their order is used: longest
+# first). The two browser files: from a `./course test --browser` run. A file not listed
+# counts as DEFAULT_SECONDS. Refresh when a file's time moves a lot:
 #   ./course test --junitxml=/tmp/run.xml && .venv/bin/python benchmarks/suite_times.py /tmp/run.xml
-# With the session cache, a file that computes what another reads comes first anyway: the
-# solutions and the tests of scenarios, faults and memory are longer than the labs.
+# With the session cache, a file's figure includes what it computed for the files that read
+# it later (grpo_lab/memo.py); whichever comes first computes, so the order only balances
+# the workers.
 FILE_SECONDS: dict[str, float] = {
     "tests/browser/test_browser.py": 151,
     "tests/test_scenarios.py": 101,

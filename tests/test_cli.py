@@ -25,13 +25,11 @@ def metrics(out):
 
 
 def capstone_run(preset: str, steps: int, out):
-    """Notebook 11's command for `preset` (the same argv, so in a test run the labs' and
-    solutions' notebook 11 and this file run it once between them: course.notebooks)."""
-    from grpo_lab.course.notebooks import run_command
+    """Notebook 11's run of `preset` (course.notebooks.train_command): in a test run the
+    labs' and solutions' notebook 11 and this file run it once between them."""
+    from grpo_lab.course.notebooks import run_command, train_command
 
-    return run_command([sys.executable, "-m", "grpo_lab", "train", "--preset", preset,
-                        "--steps", str(steps), "--seed", "0", "--eval-every", "20",
-                        "--eval-size", "128", "--out", "{out}", "--no-progress"], out=out)
+    return run_command(train_command(preset, steps), out=out)
 
 
 def test_short_stable_run_improves_eval_accuracy(tmp_path):

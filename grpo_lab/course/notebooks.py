@@ -1,5 +1,6 @@
 """Execute course notebooks and store their outputs: `python -m grpo_lab notebooks`; and
-`run_command`, how a notebook runs a course command in a process of its own.
+`run_command`, how a notebook runs a course command in a process of its own, and
+`train_command`, the training runs notebook 11 shows.
 
 Outputs policy: notebooks in solutions/ are committed *with* the outputs of one clean run
 (so a reader on the web sees the plots and numbers), refreshed only by this command;
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -91,6 +93,16 @@ class CommandRun:
     seconds: float
 
 
+def train_command(preset: str, steps: int, *extra: str) -> list[str]:
+    """Notebook 11's `python -m grpo_lab train` run of `preset` for `steps` steps: seed 0,
+    greedy eval every 20 steps on 128 problems, no progress bar, into OUT; `extra`: more
+    options. tests/test_cli.py checks the CLI on these same runs, so through `run_command` a
+    test session runs each once."""
+    return [sys.executable, "-m", "grpo_lab", "train", "--preset", preset, "--steps",
+            str(steps), "--seed", "0", "--eval-every", "20", "--eval-size", "128", "--out", OUT,
+            "--no-progress", *extra]
+
+
 def run_command(argv: list[str], out: Path, env: dict[str, str] | None = None,
                 timeout: int = 600) -> CommandRun:
     """Run a course command (`python -m grpo_lab train ...`, torchrun) in a process of its own,
@@ -100,7 +112,7 @@ def run_command(argv: list[str], out: Path, env: dict[str, str] | None = None,
 
     Only for a command whose result depends on its arguments and the package alone, not on
     files it reads (a learner's notebooks): under a test run a lab and its solution (and, for
-    notebook 11's two runs, tests/test_cli.py) run the same command, so the first runs it and
+    notebook 11's `train_command` runs, tests/test_cli.py) run the same command, so the first runs it and
     the others get its exit code, its output, the seconds it ran and a copy of its files
     (grpo_lab/memo.py)."""
     files, run = _run_in_fresh_folder(list(argv), dict(env or {}), timeout)
