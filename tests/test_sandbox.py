@@ -3,6 +3,7 @@ grader, the instructor's files or other submissions, cannot outlive its submissi
 cannot crash or hang the grader; values and gradients cross back as data."""
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -102,13 +103,15 @@ def _alive(marker: str) -> list[int]:
     return out
 
 
-def test_processes_it_starts_die_with_it_even_setsid(pkg):
+# fork=False: a fresh `python -I` per worker, what a machine without the zygote gets
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "exec"])
+def test_processes_it_starts_die_with_it_even_setsid(pkg, fork):
     src = ("import subprocess\n"
            "for _ in range(5):\n"
            "    subprocess.Popen(['sleep', '987651'], start_new_session=True)\n"
            "subprocess.Popen(['sh', '-c', 'setsid sleep 987651 & exit 0'])\n"
            "def f():\n    return 1\n")
-    with sandbox.Worker(pkg, LIMITS) as w:
+    with sandbox.Worker(pkg, LIMITS, fork=fork) as w:
         assert define(w, src)["ok"]
         time.sleep(0.5)
     for _ in range(50):
@@ -126,16 +129,18 @@ def test_it_cannot_signal_the_grader(pkg):
     assert "error" in head or head.get("ok")
 
 
-@pytest.mark.parametrize("body, why", [
-    ("while True:\n        pass", "limit"),
-    ("import os\n    os._exit(3)", "exited with code 3"),
-    ("import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
-    ("print('x' * 10_000_000)", "output limit"),
-    ("import sys\n    sys.stdout.write('y' * 200_000); sys.stdout.flush()", "output limit"),
+@pytest.mark.parametrize("body, why, fork", [
+    ("while True:\n        pass", "limit", True),
+    ("import os\n    os._exit(3)", "exited with code 3", True),
+    ("import os\n    os._exit(3)", "exited with code 3", False),
+    ("import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV", True),
+    ("import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV", False),
+    ("print('x' * 10_000_000)", "output limit", True),
+    ("import sys\n    sys.stdout.write('y' * 200_000); sys.stdout.flush()", "output limit", True),
 ])
-def test_a_crash_or_a_hang_is_a_reason_not_a_crash(pkg, body, why):
+def test_a_crash_or_a_hang_is_a_reason_not_a_crash(pkg, body, why, fork):
     limits = sandbox.Limits(call_s=5, submission_s=30, memory_mb=3072, output_bytes=1 << 16)
-    with sandbox.Worker(pkg, limits) as w:
+    with sandbox.Worker(pkg, limits, fork=fork) as w:
         define(w, f"def f():\n    {body}\n")
         with pytest.raises(sandbox.SandboxError, match=why):
             sandbox.RemoteFunction(w, "f")()
@@ -156,3 +161,83 @@ def test_a_huge_or_strange_return_value_stays_data(pkg):
         assert isinstance(got[0], sandbox.Opaque) and got[0].text == "evil"
         assert isinstance(got[1], sandbox.Opaque)
         assert got[2] == 10**100
+
+
+WHERE_AM_I = """import os, resource, socket, sys, tempfile
+def _is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+SEEN = {"pid": os.getpid(), "parent": os.getppid(), "uid": os.getuid(), "cwd": os.getcwd(),
+        "tmp": tempfile.gettempdir(), "home": os.environ.get("HOME"), "env": sorted(os.environ),
+        "fds": [fd for fd in range(1024) if _is_open(fd)],
+        "networks": [name for _, name in socket.if_nameindex()],
+        "memory": resource.getrlimit(resource.RLIMIT_AS)[0],
+        "grpo_lab": sorted(m for m in sys.modules if m.split(".")[0] == "grpo_lab")}
+def f():
+    return SEEN
+"""
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "exec"])
+def test_a_worker_starts_clean_in_its_own_namespaces(pkg, fork):
+    with sandbox.Worker(pkg, LIMITS, fork=fork) as w:
+        assert define(w, WHERE_AM_I, prelude="")["ok"]
+        seen = sandbox.RemoteFunction(w, "f")()
+        assert isinstance(w.proc, sandbox._Forked) == fork
+        home = str(w.folder / "work")
+    # forked or exec'd: the same process in the same sandbox
+    assert seen["cwd"] == seen["tmp"] == seen["home"] == home
+    # (the exec'd worker's sh adds PWD: its folder)
+    assert set(seen["env"]) - {"PWD"} == {*sandbox.WORKER_ENV, "HOME", "TMPDIR"}
+    assert seen["memory"] == LIMITS.memory_mb << 20
+    assert seen["grpo_lab"] == []  # nothing of the grader's package before the cell imports it
+    assert len(seen["fds"]) == 5, seen["fds"]  # stdin, the output file twice, its two pipes
+    if sandbox.userns_available():
+        # root of its own user namespace, second process of its own PID namespace, no network
+        assert (seen["pid"], seen["parent"], seen["uid"]) == (2, 1, 0), seen
+        assert seen["networks"] == ["lo"]
+
+
+def test_a_worker_that_kills_every_process_it_can_hurts_only_itself(pkg):
+    if not (sandbox.userns_available() or sandbox.landlock_abi() >= 6):
+        pytest.skip("neither a PID namespace nor Landlock signal scoping on this machine: "
+                    "kill(-1) would reach the test run itself")
+    canary = subprocess.Popen(["sleep", "987653"])  # the grader's user, outside the sandbox
+    try:
+        with sandbox.Worker(pkg, LIMITS) as w:
+            src = ("import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\n"
+                   "except OSError:\n    pass\ndef f():\n    return 1\n")
+            define(w, src)
+        assert canary.poll() is None
+        assert sandbox._ZYGOTE is None or sandbox._ZYGOTE.alive()
+        with sandbox.Worker(pkg, LIMITS) as w:  # the next submission is graded as usual
+            assert define(w, "def f():\n    return 2")["ok"]
+            assert sandbox.RemoteFunction(w, "f")() == 2
+    finally:
+        canary.kill()
+        canary.wait()
+
+
+def test_workers_end_with_their_zygote_and_a_new_zygote_takes_over(pkg):
+    with sandbox.Worker(pkg, LIMITS) as w:
+        assert define(w, "import subprocess\nsubprocess.Popen(['sleep', '987654'], "
+                         "start_new_session=True)\ndef f():\n    return 1\n")["ok"]
+        if not isinstance(w.proc, sandbox._Forked):
+            pytest.skip("no zygote on this machine (no user namespaces)")
+        zygote = sandbox._ZYGOTE
+        # what the kernel does to the grader's end when the grader dies, however it dies
+        zygote.sock.close()
+        zygote.proc.wait(timeout=30)
+        for _ in range(100):
+            if not _alive("987654") and not os.path.exists(f"/proc/{w.proc.pid}/stat"):
+                break
+            time.sleep(0.1)
+        assert _alive("987654") == []
+        w.proc.returncode = -9  # reaped by the zygote's exit: nothing left to kill
+    with sandbox.Worker(pkg, LIMITS) as w:
+        assert define(w, "def f():\n    return 3")["ok"]
+        assert sandbox.RemoteFunction(w, "f")() == 3
+        assert sandbox._ZYGOTE is not zygote and sandbox._ZYGOTE.alive()

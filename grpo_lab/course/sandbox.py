@@ -1,13 +1,15 @@
 """A sandboxed worker process for one submission, and the proxy functions the checkers call.
 
 Layers, each used where the machine offers it (`describe()` says which are on):
-- always: a separate `python -I` process in its own session, cwd and $TMPDIR a fresh
-  temporary folder, a clean environment, stdout/stderr to files capped by RLIMIT_FSIZE,
-  RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC, no core dumps, a wall-clock limit per request
-  and per submission; on exit its process group and every descendant are killed;
-- Linux user namespaces (`unshare`): its own PID namespace (killing its first process ends
-  every process it started, setsid or not; it cannot see or signal the grader) and network
-  namespace (no network);
+- always: a separate process in its own session (forked by `_zygote.py`, a clean process
+  that imported torch once, where it can give the worker its namespaces; else a fresh
+  `python -I`), cwd and $TMPDIR a fresh temporary folder, a clean environment,
+  stdout/stderr to files capped by RLIMIT_FSIZE, RLIMIT_AS (memory), RLIMIT_CPU,
+  RLIMIT_NPROC, no core dumps, a wall-clock limit per request and per submission; on exit its
+  process group and every descendant are killed;
+- Linux user namespaces (the zygote's `unshare(2)`, else `unshare(1)`): its own PID namespace
+  (killing its first process ends every process it started, setsid or not; it cannot see or
+  signal the grader) and network namespace (no network);
 - Landlock (Linux >= 5.13): it may write only inside its temporary folder and read only the
   Python installation and its site-packages, the system folders, the grpo_lab package and
   the private copy of it the worker imports: not the rest of the instructor's checkout
@@ -29,10 +31,12 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,12 +97,15 @@ def userns_available() -> bool:
 
 def describe() -> str:
     abi = landlock_abi()
+    zygote = _zygote(Limits().startup_s)
     parts = ["process limits (memory, CPU, output, time)"]
-    parts.append("PID and network namespaces" if userns_available()
+    parts.append("PID and network namespaces" if zygote is not None or userns_available()
                  else "no PID namespace (unshare unavailable): descendants killed by tree walk")
     parts.append(f"Landlock ABI {abi} (writes confined to the submission's folder"
                  + (", no signals out)" if abi >= 6 else ")") if abi else
                  "no Landlock: a submission could write outside its folder")
+    parts.append("workers forked from a process that imported torch once" if zygote else
+                 "a fresh Python process per worker")
     return "; ".join(parts)
 
 
@@ -130,6 +137,95 @@ w = SourceFileLoader("_grading_worker", {worker!r}).load_module()
 w.apply_landlock({writable!r}, {readable!r})
 w.main({fd_in}, {fd_out})
 """
+ZYGOTE_BOOT = """import sys
+from importlib.machinery import SourceFileLoader
+SourceFileLoader("_grading_zygote", {zygote!r}).load_module().serve({fd})
+"""
+# what a worker's environment holds besides HOME and TMPDIR (its folder)
+WORKER_ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+
+
+class _Zygote:
+    """The grader's end of grpo_lab/course/_zygote.py: one per grader process, started on
+    the first submission, asked for every worker after it."""
+
+    def __init__(self, startup_s: float):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        boot = ZYGOTE_BOOT.format(zygote=str(PACKAGE / "course" / "_zygote.py"),
+                                  fd=theirs.fileno())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", boot], cwd="/", env=WORKER_ENV,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),), start_new_session=True)
+        theirs.close()
+        self.sock = mine
+        self.namespaces = bool(self._answer(startup_s).get("namespaces"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _answer(self, timeout: float) -> dict:
+        self.sock.settimeout(timeout)
+        try:
+            msg = self.sock.recv(1 << 16)
+        except OSError:
+            msg = b""
+        if not msg:
+            self.close()
+            raise SandboxError("the grading zygote stopped answering (machine overloaded?)")
+        return json.loads(msg)
+
+    def ask(self, request: dict, fds: tuple[int, ...] = (), timeout: float = 30.0) -> dict:
+        with _ZYGOTE_LOCK:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], list(fds))
+            return self._answer(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+        with _quiet():
+            self.proc.wait(timeout=10)
+
+
+class _Forked:
+    """A worker forked by the zygote, as much of `subprocess.Popen` as Worker uses."""
+
+    def __init__(self, zygote: _Zygote, pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self):
+        return self.wait(0.0)
+
+    def wait(self, timeout: float):
+        if self.returncode is None:
+            self.returncode = self.zygote.ask({"op": "wait", "pid": self.pid,
+                                               "timeout": timeout}, timeout=timeout + 30)["code"]
+        return self.returncode
+
+
+_ZYGOTE: _Zygote | None = None
+_ZYGOTE_LOCK = threading.RLock()
+_NO_ZYGOTE = False  # it started and could not give a worker its own namespaces
+
+
+def _zygote(startup_s: float) -> _Zygote | None:
+    """The running zygote, started if need be; None where it cannot give a worker its own
+    namespaces (not Linux, no user namespaces): workers are then exec'd."""
+    global _ZYGOTE, _NO_ZYGOTE
+    if not sys.platform.startswith("linux"):
+        return None
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is not None and not _ZYGOTE.alive():
+            _ZYGOTE = None
+        if _ZYGOTE is None and not _NO_ZYGOTE:
+            try:
+                _ZYGOTE = _Zygote(startup_s)
+            except (OSError, SandboxError):
+                return None
+            if not _ZYGOTE.namespaces:
+                _ZYGOTE.close()
+                _ZYGOTE, _NO_ZYGOTE = None, True
+        return _ZYGOTE
 
 
 def _descendants(pid: int) -> list[int]:
@@ -154,11 +250,13 @@ def _descendants(pid: int) -> list[int]:
 class Worker:
     """One sandboxed worker for one submission (`with Worker(...) as w:`)."""
 
-    def __init__(self, pkg_root: Path, limits: Limits = Limits()):
-        self.limits, self.pkg_root = limits, pkg_root
+    def __init__(self, pkg_root: Path, limits: Limits = Limits(), fork: bool = True):
+        """fork: the worker is forked by the zygote (`_zygote.py`), where the machine allows
+        it; False: a fresh `python -I` process, as without the zygote."""
+        self.limits, self.pkg_root, self.fork = limits, pkg_root, fork
         self.deadline = time.monotonic() + limits.submission_s
         self.folder = Path(tempfile.mkdtemp(prefix="grpo-grade-"))
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | _Forked | None = None
         self.dead: str | None = None
         self.namespaced = False
         self.starting = False
@@ -177,40 +275,57 @@ class Worker:
         out = open(self.folder / "output.txt", "wb")
         limits, writable = self.limits, [str(home), "/dev/null"]
         readable = readable_roots() + [str(self.pkg_root)]
-        nproc_base = _user_processes()
         cpu = int(limits.submission_s) + 5
-
-        def preexec():  # in the child, between fork and exec
-            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb << 20,) * 2)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes,) * 2)
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_NPROC, (nproc_base + limits.processes,) * 2)
-
-        use_ns = self.namespaced = userns_available()
+        rlimits = {"RLIMIT_AS": (limits.memory_mb << 20,) * 2,
+                   "RLIMIT_FSIZE": (limits.output_bytes,) * 2,
+                   "RLIMIT_CPU": (cpu, cpu + 5), "RLIMIT_CORE": (0, 0),
+                   "RLIMIT_NPROC": (_user_processes() + limits.processes,) * 2}
+        env = {**WORKER_ENV, "HOME": str(home), "TMPDIR": str(home)}
         worker_file = self.pkg_root / "grpo_lab" / "course" / "_worker.py"
-        boot = BOOT.format(pkg=str(self.pkg_root), worker=str(worker_file), fd_in=to_worker_r,
-                           fd_out=from_worker_w, writable=writable, readable=readable)
-        argv = [sys.executable, "-I", "-c", boot]
-        if use_ns:
-            # sh is the namespace's first process (init ignores signals it has no handler
-            # for, so the worker must not be it); when it ends, the kernel ends the rest
-            argv = [shutil.which("unshare"), "-U", "-r", "-p", "-f", "-n", "--kill-child",
-                    "--", "/bin/sh", "-c", '"$0" "$@"; exit $?'] + argv
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home),
-               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        zygote = _zygote(limits.startup_s) if self.fork else None
         try:
-            self.proc = subprocess.Popen(
-                argv, cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, pass_fds=(to_worker_r, from_worker_w),
-                start_new_session=True, preexec_fn=preexec, close_fds=True)
+            if zygote is not None:
+                try:
+                    pid = zygote.ask({"op": "spawn", "pkg": str(self.pkg_root),
+                                      "worker": str(worker_file), "home": str(home),
+                                      "env": env, "rlimits": rlimits, "writable": writable,
+                                      "readable": readable},
+                                     fds=(to_worker_r, from_worker_w, out.fileno()))["pid"]
+                    self.proc, self.namespaced = _Forked(zygote, int(pid)), True
+                except (OSError, SandboxError):  # the zygote is gone: no fault of this one
+                    zygote = None
+            if zygote is None:
+                self.namespaced = userns_available()
+                self.proc = self._exec(to_worker_r, from_worker_w, out, rlimits, env,
+                                       BOOT.format(pkg=str(self.pkg_root),
+                                                   worker=str(worker_file), fd_in=to_worker_r,
+                                                   fd_out=from_worker_w, writable=writable,
+                                                   readable=readable))
         finally:
             out.close()
             os.close(to_worker_r)
             os.close(from_worker_w)
         self.w, self.r = to_worker_w, from_worker_r
         self.starting = True
+
+    def _exec(self, to_worker_r: int, from_worker_w: int, out, rlimits: dict, env: dict,
+              boot: str) -> subprocess.Popen:
+        """The worker as a fresh `python -I` (where there is no zygote)."""
+
+        def preexec():  # in the child, between fork and exec
+            for name, value in rlimits.items():
+                resource.setrlimit(getattr(resource, name), value)
+
+        argv = [sys.executable, "-I", "-c", boot]
+        if self.namespaced:
+            # sh is the namespace's first process (init ignores signals it has no handler
+            # for, so the worker must not be it); when it ends, the kernel ends the rest
+            argv = [shutil.which("unshare"), "-U", "-r", "-p", "-f", "-n", "--kill-child",
+                    "--", "/bin/sh", "-c", '"$0" "$@"; exit $?'] + argv
+        return subprocess.Popen(
+            argv, cwd=env["HOME"], env=env, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, pass_fds=(to_worker_r, from_worker_w),
+            start_new_session=True, preexec_fn=preexec, close_fds=True)
 
     def __enter__(self) -> Worker:
         self.start()
@@ -221,12 +336,12 @@ class Worker:
 
     def close(self, keep_folder: bool = False) -> None:
         if self.proc is not None:
-            victims = [self.proc.pid] + _descendants(self.proc.pid)
-            for pid in victims:
+            if self.proc.returncode is None:  # not reaped yet: its pid is still its own
+                for pid in [self.proc.pid] + _descendants(self.proc.pid):
+                    with _quiet():
+                        os.kill(pid, signal.SIGKILL)
                 with _quiet():
-                    os.kill(pid, signal.SIGKILL)
-            with _quiet():
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                    os.killpg(self.proc.pid, signal.SIGKILL)
             with _quiet():
                 self.proc.wait(timeout=10)
             for fd in (self.w, self.r):

@@ -1,0 +1,216 @@
+"""The grading zygote: a clean process that imports torch once and forks every worker.
+
+Importing torch costs a worker ~1.3 s of CPU, most of what a short submission costs; an
+instructor grading forty students' twelve notebooks pays it 480 times. `sandbox.Worker`
+therefore asks this process for each worker. It is started by the grader as
+`python -I -c <bootstrap>` in a clean environment, holds nothing but torch and this module
+(no grpo_lab, no submission, no result), never runs student code itself, and ends when the
+grader closes its socket (the grader ended, however it ended).
+
+Each worker is three processes, the same shape as `unshare -U -r -p -f -n --kill-child sh -c
+python`:
+
+    zygote -> C  in the grader's namespaces: its own session and rlimits; enters new user,
+                 PID and network namespaces, then waits for I and exits with I's code
+              -> I  PID 1 of the new PID namespace (it dies with C); waits for W and exits
+                    with its code, 128 + N for signal N (as sh does); when I ends, the kernel
+                    ends every process left in the namespace
+                 -> W  the worker: imports its private copy of grpo_lab, applies Landlock to
+                       itself, then `_worker.main` (exactly what the exec'd worker runs)
+
+The grader addresses C only, by the pid this process sends back; a worker cannot address this
+process, the grader or another worker (a PID namespace of its own, Landlock on top).
+Requests, one JSON object per message on a SOCK_SEQPACKET socket:
+
+    {"op": "spawn", ...}   + 3 fds (to-worker read end, from-worker write end, output file)
+                           -> {"pid": C}
+    {"op": "wait", "pid", "timeout"}  -> {"code": C's exit (negative: signal) or null}
+
+C is reaped only when the grader waits for it, so its pid is not reused while the grader
+may still signal it (the grader kills C, its process group and its descendants itself).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+PR_SET_PDEATHSIG = 1
+MESSAGE_BYTES = 1 << 20
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def enter_namespaces() -> None:
+    """New user (this uid mapped to root), PID and network namespaces, as `unshare -U -r -p
+    -n`; the PID namespace takes effect for the children forked after this."""
+    uid, gid = os.getuid(), os.getgid()
+    libc = _libc()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare: {os.strerror(err)}")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"),
+                       ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def _code(status: int) -> int:
+    """An exit status as a shell reports it: the code, or 128 + N for signal N."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _child(req: dict, to_worker_r: int, from_worker_w: int, out: int) -> None:
+    """C (then I, then W); never returns."""
+    import resource
+    import tempfile
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _die_with_parent()
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    _close_fds_except({to_worker_r, from_worker_w})
+    for name, value in req["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), tuple(value))
+    home = req["home"]
+    os.chdir(home)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    tempfile.tempdir = home
+    enter_namespaces()
+    init = os.fork()
+    if init:  # C
+        _, status = os.waitpid(init, 0)
+        os._exit(_code(status))
+    # I: PID 1 of the namespace
+    _die_with_parent()
+    worker = os.fork()
+    if worker:
+        while True:
+            try:
+                pid, status = os.wait()  # orphans are re-parented here: reap them too
+            except ChildProcessError:
+                os._exit(1)
+            if pid == worker:
+                os._exit(_code(status))
+    # W
+    sys.path.insert(0, req["pkg"])
+    sys.setrecursionlimit(5000)
+    from importlib.machinery import SourceFileLoader
+
+    w = SourceFileLoader("_grading_worker", req["worker"]).load_module()
+    w.apply_landlock(req["writable"], req["readable"])
+    w.main(to_worker_r, from_worker_w)
+
+
+def _run_child(req: dict, fds: list[int]) -> None:
+    code = 0
+    try:
+        _child(req, *fds)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported in the worker's output, then exit
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _probe_namespaces() -> bool:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            enter_namespaces()
+            init = os.fork()  # the PID namespace is made here
+            if init == 0:
+                os._exit(0)
+            _, status = os.waitpid(init, 0)
+            os._exit(status != 0)
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def _returncode(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def serve(fd: int) -> None:
+    import torch  # what every worker imports first: once, here
+
+    torch.set_num_threads(1)
+    sock = socket.socket(fileno=fd)
+    children: set[int] = set()
+    sock.send(json.dumps({"namespaces": _probe_namespaces()}).encode())
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 3)
+        except OSError:
+            msg, fds = b"", []
+        if not msg:  # the grader is gone: its workers go with this process (PDEATHSIG)
+            os._exit(0)
+        req = json.loads(msg)
+        op = req.get("op")
+        if op == "spawn" and len(fds) == 3:
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                _run_child(req, fds)
+            for f in fds:
+                os.close(f)
+            children.add(pid)
+            answer = {"pid": pid}
+        elif op == "wait" and req.get("pid") in children:
+            pid = req["pid"]
+            deadline = time.monotonic() + float(req["timeout"])
+            answer = {"code": None}
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    children.discard(pid)
+                    answer = {"code": _returncode(status)}
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+        else:
+            for f in fds:
+                os.close(f)
+            answer = {"error": f"bad request {op!r}"}
+        sock.send(json.dumps(answer).encode())
