@@ -236,8 +236,57 @@ def test_workers_end_with_their_zygote_and_a_new_zygote_takes_over(pkg):
                 break
             time.sleep(0.1)
         assert _alive("987654") == []
-        w.proc.returncode = -9  # reaped by the zygote's exit: nothing left to kill
+        # C was reaped by init: its pid may be another process's by now, so closing the
+        # worker must not signal that pid (it kills through C's pidfd, which is stale)
+        sent = []
+        real_kill, real_killpg = os.kill, os.killpg
+        os.kill = lambda pid, sig: sent.append(("kill", pid, sig))
+        os.killpg = lambda pid, sig: sent.append(("killpg", pid, sig))
+        try:
+            w.close()
+        finally:
+            os.kill, os.killpg = real_kill, real_killpg
+        assert sent == []
     with sandbox.Worker(pkg, LIMITS) as w:
         assert define(w, "def f():\n    return 3")["ok"]
         assert sandbox.RemoteFunction(w, "f")() == 3
         assert sandbox._ZYGOTE is not zygote and sandbox._ZYGOTE.alive()
+
+
+
+@pytest.mark.parametrize("kill_at", [1, 3], ids=["before-a-cell", "mid-checker"])
+def test_a_zygote_lost_mid_grading_costs_the_student_nothing(pkg, monkeypatch, kill_at):
+    """The zygote killed (by the machine: no worker can reach it) before the first cell runs
+    or in the middle of a checker's calls: the exercise is graded again on a fresh worker."""
+    from grpo_lab.course import grade, labs
+
+    requests = []
+    request = sandbox.Worker.request
+
+    def request_then_maybe_kill(self, message):
+        requests.append(message[0])
+        if len(requests) == kill_at and isinstance(self.proc, sandbox._Forked | None):
+            zygote = sandbox._zygote(LIMITS.startup_s)
+            if zygote is None:
+                pytest.skip("no zygote on this machine (no user namespaces)")
+            zygote.proc.kill()
+            zygote.proc.wait()
+        return request(self, message)
+
+    monkeypatch.setattr(sandbox.Worker, "request", request_then_maybe_kill)
+    path = ROOT / "solutions" / "02_rewards_and_advantages.ipynb"
+    records = grade.grade_submission(path, "alice", labs.load_manifest(), pkg, LIMITS)
+    assert len(requests) > kill_at
+    assert records and all(r.status == "passed" and r.points == r.max_points for r in records), \
+        [(r.exercise, r.status, r.reason) for r in records]
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "exec"])
+def test_sigint_is_a_keyboardinterrupt_in_the_students_code(pkg, fork):
+    """As in any fresh Python: the worker forked by the zygote restores Python's handler."""
+    with sandbox.Worker(pkg, LIMITS, fork=fork) as w:
+        define(w, "import os, signal\ndef f():\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                  "    return 1\n")
+        with pytest.raises(sandbox.RemoteError) as got:
+            sandbox.RemoteFunction(w, "f")()
+    assert got.value.type_name == "KeyboardInterrupt"

@@ -22,12 +22,15 @@ The grader addresses C only, by the pid this process sends back; a worker cannot
 process, the grader or another worker (a PID namespace of its own, Landlock on top).
 Requests, one JSON object per message on a SOCK_SEQPACKET socket:
 
+    {"op": "hello"}        -> {"namespaces": whether it can give a worker its namespaces}
     {"op": "spawn", ...}   + 3 fds (to-worker read end, from-worker write end, output file)
-                           -> {"pid": C}
+                           -> {"pid": C} + a pidfd of C (the grader kills C through it: a
+                              pid could be another process's once C is reaped)
     {"op": "wait", "pid", "timeout"}  -> {"code": C's exit (negative: signal) or null}
+    anything that fails    -> {"error": why}; this process goes on
 
-C is reaped only when the grader waits for it, so its pid is not reused while the grader
-may still signal it (the grader kills C, its process group and its descendants itself).
+What forking gives up against exec: the workers share the zygote's memory layout (its
+address-space randomisation is done once); a worker can reach no other process's memory.
 """
 
 from __future__ import annotations
@@ -84,13 +87,15 @@ def _close_fds_except(keep: set[int]) -> None:
                 pass
 
 
-def _child(req: dict, to_worker_r: int, from_worker_w: int, out: int) -> None:
+def _child(req: dict, to_worker_r: int, from_worker_w: int, out: int, zygote: int) -> None:
     """C (then I, then W); never returns."""
     import resource
     import tempfile
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _die_with_parent()
+    if os.getppid() != zygote:  # it ended before PDEATHSIG was set
+        os._exit(1)
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -120,7 +125,8 @@ def _child(req: dict, to_worker_r: int, from_worker_w: int, out: int) -> None:
                 os._exit(1)
             if pid == worker:
                 os._exit(_code(status))
-    # W
+    # W: as a fresh python would be
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, req["pkg"])
     sys.setrecursionlimit(5000)
     from importlib.machinery import SourceFileLoader
@@ -130,10 +136,10 @@ def _child(req: dict, to_worker_r: int, from_worker_w: int, out: int) -> None:
     w.main(to_worker_r, from_worker_w)
 
 
-def _run_child(req: dict, fds: list[int]) -> None:
+def _run_child(req: dict, fds: list[int], zygote: int) -> None:
     code = 0
     try:
-        _child(req, *fds)
+        _child(req, *fds, zygote)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - reported in the worker's output, then exit
@@ -170,13 +176,51 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def _spawn(req: dict, fds: list[int]) -> tuple[dict, list[int]]:
+    if len(fds) != 3:
+        for f in fds:
+            os.close(f)
+        return {"error": "spawn needs 3 fds"}, []
+    sys.stdout.flush()
+    zygote = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError as e:  # EAGAIN, ENOMEM: refused, and this process goes on
+        pid = None
+        error = {"error": f"fork failed: {e}"}
+    if pid == 0:
+        _run_child(req, fds, zygote)  # never returns
+    for f in fds:
+        os.close(f)
+    if pid is None:
+        return error, []
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as e:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return {"error": f"pidfd_open failed: {e}"}, []
+    return {"pid": pid}, [pidfd]
+
+
+def _wait(pid: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return {"code": _returncode(status)}
+        if time.monotonic() >= deadline:
+            return {"code": None}
+        time.sleep(0.005)
+
+
 def serve(fd: int) -> None:
     import torch  # what every worker imports first: once, here
 
     torch.set_num_threads(1)
     sock = socket.socket(fileno=fd)
+    namespaces = _probe_namespaces()
     children: set[int] = set()
-    sock.send(json.dumps({"namespaces": _probe_namespaces()}).encode())
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 3)
@@ -184,33 +228,29 @@ def serve(fd: int) -> None:
             msg, fds = b"", []
         if not msg:  # the grader is gone: its workers go with this process (PDEATHSIG)
             os._exit(0)
-        req = json.loads(msg)
-        op = req.get("op")
-        if op == "spawn" and len(fds) == 3:
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                _run_child(req, fds)
-            for f in fds:
-                os.close(f)
-            children.add(pid)
-            answer = {"pid": pid}
-        elif op == "wait" and req.get("pid") in children:
-            pid = req["pid"]
-            deadline = time.monotonic() + float(req["timeout"])
-            answer = {"code": None}
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    children.discard(pid)
-                    answer = {"code": _returncode(status)}
-                    break
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.005)
-        else:
-            for f in fds:
-                os.close(f)
-            answer = {"error": f"bad request {op!r}"}
-        sock.send(json.dumps(answer).encode())
+        sent: list[int] = []
+        try:
+            req = json.loads(msg)
+            op = req.get("op")
+            if op == "hello":
+                answer = {"namespaces": namespaces}
+            elif op == "spawn":
+                answer, sent = _spawn(req, fds)
+                fds = []
+                children.update([answer["pid"]] if "pid" in answer else [])
+            elif op == "wait" and req.get("pid") in children:
+                answer = _wait(req["pid"], float(req["timeout"]))
+                if answer["code"] is not None:
+                    children.discard(req["pid"])
+            else:
+                answer = {"error": f"bad request {op!r}"}
+        except Exception as e:  # noqa: BLE001 - answered, and this process goes on
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        for f in fds:
+            os.close(f)
+        try:
+            socket.send_fds(sock, [json.dumps(answer).encode()], sent)
+        except OSError:
+            os._exit(0)
+        for f in sent:
+            os.close(f)

@@ -181,7 +181,11 @@ def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
     worker = sandbox.Worker(pkg_root, limits)
     try:
         for ex in spec["exercises"]:
-            records.append(_grade_exercise(worker, cells, ex, one, note))
+            record = _grade_exercise(worker, cells, ex, one, note)
+            if worker.lost_zygote:  # the grader's failure, not the student's: once more
+                worker.restart()
+                record = _grade_exercise(worker, cells, ex, one, note)
+            records.append(record)
     finally:
         worker.close()
     return records

@@ -160,26 +160,30 @@ class _Zygote:
             pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
         self.sock = mine
-        self.namespaces = bool(self._answer(startup_s).get("namespaces"))
+        self.namespaces = bool(self.ask({"op": "hello"}, timeout=startup_s)[0]["namespaces"])
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def _answer(self, timeout: float) -> dict:
-        self.sock.settimeout(timeout)
-        try:
-            msg = self.sock.recv(1 << 16)
-        except OSError:
-            msg = b""
-        if not msg:
-            self.close()
-            raise SandboxError("the grading zygote stopped answering (machine overloaded?)")
-        return json.loads(msg)
-
-    def ask(self, request: dict, fds: tuple[int, ...] = (), timeout: float = 30.0) -> dict:
+    def ask(self, request: dict, fds: tuple[int, ...] = (), timeout: float = 30.0
+            ) -> tuple[dict, list[int]]:
+        """The zygote's answer to `request` and the fds that came with it."""
         with _ZYGOTE_LOCK:
-            socket.send_fds(self.sock, [json.dumps(request).encode()], list(fds))
-            return self._answer(timeout)
+            try:
+                socket.send_fds(self.sock, [json.dumps(request).encode()], list(fds))
+                self.sock.settimeout(timeout)
+                msg, got, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
+            except OSError:
+                msg, got = b"", []
+            if not msg:
+                self.close()
+                raise ZygoteLost("the grading zygote stopped answering")
+            answer = json.loads(msg)
+            if "error" in answer:
+                for fd in got:
+                    os.close(fd)
+                raise SandboxError(f"the grading zygote refused: {answer['error']}")
+            return answer, got
 
     def close(self) -> None:
         self.sock.close()
@@ -187,25 +191,46 @@ class _Zygote:
             self.proc.wait(timeout=10)
 
 
-class _Forked:
-    """A worker forked by the zygote, as much of `subprocess.Popen` as Worker uses."""
+class ZygoteLost(SandboxError):
+    """The zygote ended (never the submission's doing: a worker cannot reach it); its
+    workers ended with it."""
 
-    def __init__(self, zygote: _Zygote, pid: int):
-        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+class _Forked:
+    """A worker forked by the zygote: as much of `subprocess.Popen` as Worker uses, and
+    `kill`, through a pidfd (a pid that the zygote reaped could be another process's)."""
+
+    def __init__(self, zygote: _Zygote, pid: int, pidfd: int):
+        self.zygote, self.pid, self.pidfd, self.returncode = zygote, pid, pidfd, None
+        self.lost = False  # the zygote ended: nothing to wait for
 
     def poll(self):
         return self.wait(0.0)
 
     def wait(self, timeout: float):
-        if self.returncode is None:
-            self.returncode = self.zygote.ask({"op": "wait", "pid": self.pid,
-                                               "timeout": timeout}, timeout=timeout + 30)["code"]
+        if self.returncode is None and not self.lost:
+            try:
+                answer, _ = self.zygote.ask({"op": "wait", "pid": self.pid, "timeout": timeout},
+                                            timeout=timeout + 30)
+                self.returncode = answer["code"]
+            except ZygoteLost:
+                self.lost = True
         return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL C: I dies with it (PDEATHSIG), and every process of the PID namespace
+        with I."""
+        with _quiet():
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def release(self) -> None:
+        with _quiet():
+            os.close(self.pidfd)
 
 
 _ZYGOTE: _Zygote | None = None
 _ZYGOTE_LOCK = threading.RLock()
-_NO_ZYGOTE = False  # it started and could not give a worker its own namespaces
+_NO_ZYGOTE = False  # it did not start, or could not give a worker its own namespaces
 
 
 def _zygote(startup_s: float) -> _Zygote | None:
@@ -220,7 +245,8 @@ def _zygote(startup_s: float) -> _Zygote | None:
         if _ZYGOTE is None and not _NO_ZYGOTE:
             try:
                 _ZYGOTE = _Zygote(startup_s)
-            except (OSError, SandboxError):
+            except (OSError, SandboxError):  # it did not start: workers are exec'd
+                _NO_ZYGOTE = True
                 return None
             if not _ZYGOTE.namespaces:
                 _ZYGOTE.close()
@@ -258,21 +284,19 @@ class Worker:
         self.folder = Path(tempfile.mkdtemp(prefix="grpo-grade-"))
         self.proc: subprocess.Popen | _Forked | None = None
         self.dead: str | None = None
+        self.lost_zygote = False  # it died with the zygote: the grader's fault, not the student's
         self.namespaced = False
         self.starting = False
 
     def restart(self) -> None:
         """A fresh process after a death (the submission's deadline stays)."""
         self.close(keep_folder=True)
-        self.dead = None
+        self.dead, self.lost_zygote = None, False
 
     # lifecycle
     def start(self) -> None:
-        to_worker_r, to_worker_w = os.pipe()
-        from_worker_r, from_worker_w = os.pipe()
         home = self.folder / "work"
         home.mkdir()
-        out = open(self.folder / "output.txt", "wb")
         limits, writable = self.limits, [str(home), "/dev/null"]
         readable = readable_roots() + [str(self.pkg_root)]
         cpu = int(limits.submission_s) + 5
@@ -282,29 +306,38 @@ class Worker:
                    "RLIMIT_NPROC": (_user_processes() + limits.processes,) * 2}
         env = {**WORKER_ENV, "HOME": str(home), "TMPDIR": str(home)}
         worker_file = self.pkg_root / "grpo_lab" / "course" / "_worker.py"
+        spawn = {"op": "spawn", "pkg": str(self.pkg_root), "worker": str(worker_file),
+                 "home": str(home), "env": env, "rlimits": rlimits, "writable": writable,
+                 "readable": readable}
         zygote = _zygote(limits.startup_s) if self.fork else None
-        try:
-            if zygote is not None:
+        while True:
+            to_worker_r, to_worker_w = os.pipe()
+            from_worker_r, from_worker_w = os.pipe()
+            out = open(self.folder / "output.txt", "wb")
+            try:
+                if zygote is None:
+                    self.namespaced = userns_available()
+                    self.proc = self._exec(
+                        to_worker_r, from_worker_w, out, rlimits, env,
+                        BOOT.format(pkg=str(self.pkg_root), worker=str(worker_file),
+                                    fd_in=to_worker_r, fd_out=from_worker_w, writable=writable,
+                                    readable=readable))
+                    break
                 try:
-                    pid = zygote.ask({"op": "spawn", "pkg": str(self.pkg_root),
-                                      "worker": str(worker_file), "home": str(home),
-                                      "env": env, "rlimits": rlimits, "writable": writable,
-                                      "readable": readable},
-                                     fds=(to_worker_r, from_worker_w, out.fileno()))["pid"]
-                    self.proc, self.namespaced = _Forked(zygote, int(pid)), True
-                except (OSError, SandboxError):  # the zygote is gone: no fault of this one
+                    answer, pidfd = zygote.ask(spawn, (to_worker_r, from_worker_w, out.fileno()))
+                except (ZygoteLost, SandboxError):
+                    # not this submission's fault: a fresh process (and fresh pipes, in case
+                    # a child of the lost zygote still holds these until it dies with it)
+                    os.close(to_worker_w)
+                    os.close(from_worker_r)
                     zygote = None
-            if zygote is None:
-                self.namespaced = userns_available()
-                self.proc = self._exec(to_worker_r, from_worker_w, out, rlimits, env,
-                                       BOOT.format(pkg=str(self.pkg_root),
-                                                   worker=str(worker_file), fd_in=to_worker_r,
-                                                   fd_out=from_worker_w, writable=writable,
-                                                   readable=readable))
-        finally:
-            out.close()
-            os.close(to_worker_r)
-            os.close(from_worker_w)
+                    continue
+                self.proc, self.namespaced = _Forked(zygote, int(answer["pid"]), *pidfd), True
+                break
+            finally:
+                out.close()
+                os.close(to_worker_r)
+                os.close(from_worker_w)
         self.w, self.r = to_worker_w, from_worker_r
         self.starting = True
 
@@ -336,14 +369,19 @@ class Worker:
 
     def close(self, keep_folder: bool = False) -> None:
         if self.proc is not None:
-            if self.proc.returncode is None:  # not reaped yet: its pid is still its own
-                for pid in [self.proc.pid] + _descendants(self.proc.pid):
-                    with _quiet():
-                        os.kill(pid, signal.SIGKILL)
-                with _quiet():
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-            with _quiet():
+            if isinstance(self.proc, _Forked):
+                self.proc.kill()
                 self.proc.wait(timeout=10)
+                self.proc.release()
+            else:
+                if self.proc.returncode is None:  # not reaped yet: its pid is still its own
+                    for pid in [self.proc.pid] + _descendants(self.proc.pid):
+                        with _quiet():
+                            os.kill(pid, signal.SIGKILL)
+                    with _quiet():
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                with _quiet():
+                    self.proc.wait(timeout=10)
             for fd in (self.w, self.r):
                 with _quiet():
                     os.close(fd)
@@ -424,6 +462,9 @@ class Worker:
         if code is None and self.proc is not None:
             with _quiet():
                 code = self.proc.wait(timeout=2)
+        if isinstance(self.proc, _Forked) and self.proc.lost:
+            self.lost_zygote = True
+            return "the grading zygote ended, and this worker with it (not the submission's doing)"
         tail = self.output_tail(300).strip().splitlines()
         last = f" (last output: {tail[-1][:160]!r})" if tail else ""
         if code is not None and code > 128 and self.namespaced:
