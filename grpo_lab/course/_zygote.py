@@ -1,11 +1,13 @@
 """The grading zygote: a clean process that imports torch once and forks every worker.
 
-Importing torch costs a worker ~1.3 s of CPU, most of what a short submission costs; an
-instructor grading forty students' twelve notebooks pays it 480 times. `sandbox.Worker`
+Importing torch costs a worker ~1.3 s of CPU, and transformers' GPT-2 (for a checker that
+builds a model) ~2 s more: most of what a submission costs. An instructor grading forty
+students' twelve notebooks would pay it 480 times (the 13 labs: 32 s of CPU exec'd, 7 s
+forked; benchmarks/grading.py). `sandbox.Worker`
 therefore asks this process for each worker. It is started by the grader as
-`python -I -c <bootstrap>` in a clean environment, holds nothing but torch and this module
-(no grpo_lab, no submission, no result), never runs student code itself, and ends when the
-grader closes its socket (the grader ended, however it ended).
+`python -I -c <bootstrap>` in a clean environment, holds nothing but this module, torch and
+transformers' GPT-2 (no grpo_lab, no submission, no result), never runs student code
+itself, and ends when the grader closes its socket (the grader ended, however it ended).
 
 Each worker is three processes, the same shape as `unshare -U -r -p -f -n --kill-child sh -c
 python`:
@@ -215,8 +217,20 @@ def _wait(pid: int, timeout: float) -> dict:
 
 
 def serve(fd: int) -> None:
-    import torch  # what every worker imports first: once, here
+    import gc
 
+    gc.disable()  # importing makes objects, not garbage: no collections meanwhile
+    import torch  # what every worker imports, and what a worker that builds a model adds
+    from transformers import (  # noqa: F401
+        AutoTokenizer,
+        GenerationConfig,
+        GPT2Config,
+        GPT2LMHeadModel,
+        PreTrainedTokenizerFast,
+    )
+
+    gc.enable()
+    gc.freeze()  # kept out of the workers' collections, so their pages stay shared
     torch.set_num_threads(1)
     sock = socket.socket(fileno=fd)
     namespaces = _probe_namespaces()

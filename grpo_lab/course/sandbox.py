@@ -2,7 +2,7 @@
 
 Layers, each used where the machine offers it (`describe()` says which are on):
 - always: a separate process in its own session (forked by `_zygote.py`, a clean process
-  that imported torch once, where it can give the worker its namespaces; else a fresh
+  that imported torch and transformers once, where it can give the worker its namespaces; else a fresh
   `python -I`), cwd and $TMPDIR a fresh temporary folder, a clean environment,
   stdout/stderr to files capped by RLIMIT_FSIZE, RLIMIT_AS (memory), RLIMIT_CPU,
   RLIMIT_NPROC, no core dumps, a wall-clock limit per request and per submission; on exit its
@@ -104,7 +104,7 @@ def describe() -> str:
     parts.append(f"Landlock ABI {abi} (writes confined to the submission's folder"
                  + (", no signals out)" if abi >= 6 else ")") if abi else
                  "no Landlock: a submission could write outside its folder")
-    parts.append("workers forked from a process that imported torch once" if zygote else
+    parts.append("workers forked from a process that imported torch and transformers once" if zygote else
                  "a fresh Python process per worker")
     return "; ".join(parts)
 
