@@ -348,6 +348,9 @@ class Worker:
         def preexec():  # in the child, between fork and exec
             for name, value in rlimits.items():
                 resource.setrlimit(getattr(resource, name), value)
+            # a grader started with SIGINT ignored (pytest-xdist's workers) would hand that
+            # on through exec: the worker gets Python's KeyboardInterrupt, as a forked one does
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         argv = [sys.executable, "-I", "-c", boot]
         if self.namespaced:
