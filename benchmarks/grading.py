@@ -1,20 +1,18 @@
 """What a sandboxed worker's start costs the grader: grade the same submissions with the
 workers forked from the zygote (the default where the machine gives it namespaces) and
-exec'd as fresh `python -I` processes, and print wall time and CPU time (the grader and every
-process it started) for each.
+exec'd as fresh `python -I` processes, and print wall time and CPU time (the whole
+machine's, from /proc/stat: run it on an otherwise idle machine) for each.
 
     python benchmarks/grading.py                  # the 13 labs: stubs, so mostly start-up
     python benchmarks/grading.py solutions/0[0-3]*.ipynb --repeat 2
 
-Linux only (the CPU figure is the machine's, from /proc/stat).
+Linux only.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
-import io
 import os
 import sys
 import tempfile
@@ -27,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cpu_seconds() -> float:
-    """Busy CPU seconds of the whole machine (/proc/stat): the workers are killed, not
-    reaped by the grader, so its rusage misses them. Run it on an otherwise idle machine."""
+    """Busy CPU seconds of the whole machine: the workers are killed, not reaped by the
+    grader, so its rusage misses them."""
     with open("/proc/stat") as f:
         user, nice, system, _, _, irq, softirq = (int(x) for x in f.readline().split()[1:8])
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
@@ -66,8 +64,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     paths = [Path(p) for p in (args.paths or sorted(glob.glob(str(ROOT / "labs/*.ipynb"))))]
-    with contextlib.redirect_stdout(io.StringIO()):
-        layers = sandbox.describe()
+    layers = sandbox.describe()
     stop_zygote()  # each forked run below starts its own, and pays for it
     print(f"sandbox: {layers}")
     print(f"{len(paths)} submissions, {args.repeat} time(s) each way")

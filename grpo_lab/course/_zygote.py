@@ -3,9 +3,8 @@
 Importing torch costs a worker ~1.3 s of CPU, and transformers' GPT-2 (for a checker that
 builds a model) ~2 s more: most of what a submission costs. An instructor grading forty
 students' twelve notebooks would pay it 480 times (the 13 labs: 32 s of CPU exec'd, 7 s
-forked; benchmarks/grading.py). `sandbox.Worker`
-therefore asks this process for each worker. It is started by the grader as
-`python -I -c <bootstrap>` in a clean environment, holds nothing but this module, torch and
+forked; benchmarks/grading.py). `sandbox.Worker` therefore asks this process for each
+worker. It is started by the grader as `python -I -c <bootstrap>` in a clean environment, holds nothing but this module, torch and
 transformers' GPT-2 (no grpo_lab, no submission, no result), never runs student code
 itself, and ends when the grader closes its socket (the grader ended, however it ended).
 
@@ -20,8 +19,9 @@ python`:
                  -> W  the worker: imports its private copy of grpo_lab, applies Landlock to
                        itself, then `_worker.main` (exactly what the exec'd worker runs)
 
-The grader addresses C only, by the pid this process sends back; a worker cannot address this
-process, the grader or another worker (a PID namespace of its own, Landlock on top).
+The grader addresses C only, through the pidfd this process sends back; a worker cannot
+address this process, the grader or another worker (a PID namespace of its own, Landlock on
+top).
 Requests, one JSON object per message on a SOCK_SEQPACKET socket:
 
     {"op": "hello"}        -> {"namespaces": whether it can give a worker its namespaces}
@@ -74,9 +74,8 @@ def enter_namespaces() -> None:
 
 def _code(status: int) -> int:
     """An exit status as a shell reports it: the code, or 128 + N for signal N."""
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
 
 
 def _close_fds_except(keep: set[int]) -> None:
@@ -174,10 +173,6 @@ def _probe_namespaces() -> bool:
     return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
-def _returncode(status: int) -> int:
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def _spawn(req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     if len(fds) != 3:
         for f in fds:
@@ -210,7 +205,7 @@ def _wait(pid: int, timeout: float) -> dict:
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return {"code": _returncode(status)}
+            return {"code": os.waitstatus_to_exitcode(status)}  # as Popen: -N for signal N
         if time.monotonic() >= deadline:
             return {"code": None}
         time.sleep(0.005)

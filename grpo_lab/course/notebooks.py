@@ -112,9 +112,9 @@ def run_command(argv: list[str], out: Path, env: dict[str, str] | None = None,
 
     Only for a command whose result depends on its arguments and the package alone, not on
     files it reads (a learner's notebooks): under a test run a lab and its solution (and, for
-    notebook 11's `train_command` runs, tests/test_cli.py) run the same command, so the first runs it and
-    the others get its exit code, its output, the seconds it ran and a copy of its files
-    (grpo_lab/memo.py)."""
+    notebook 11's `train_command` runs, tests/test_cli.py) run the same command, so the first
+    runs it and the others get its exit code, its output, the seconds it ran and a copy of
+    its files (grpo_lab/memo.py)."""
     files, run = _run_in_fresh_folder(list(argv), dict(env or {}), timeout)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

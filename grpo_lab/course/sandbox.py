@@ -2,8 +2,8 @@
 
 Layers, each used where the machine offers it (`describe()` says which are on):
 - always: a separate process in its own session (forked by `_zygote.py`, a clean process
-  that imported torch and transformers once, where it can give the worker its namespaces; else a fresh
-  `python -I`), cwd and $TMPDIR a fresh temporary folder, a clean environment,
+  that imported torch and transformers once, where it can give the worker its namespaces;
+  else a fresh `python -I`), cwd and $TMPDIR a fresh temporary folder, a clean environment,
   stdout/stderr to files capped by RLIMIT_FSIZE, RLIMIT_AS (memory), RLIMIT_CPU,
   RLIMIT_NPROC, no core dumps, a wall-clock limit per request and per submission; on exit its
   process group and every descendant are killed;
@@ -104,8 +104,8 @@ def describe() -> str:
     parts.append(f"Landlock ABI {abi} (writes confined to the submission's folder"
                  + (", no signals out)" if abi >= 6 else ")") if abi else
                  "no Landlock: a submission could write outside its folder")
-    parts.append("workers forked from a process that imported torch and transformers once" if zygote else
-                 "a fresh Python process per worker")
+    parts.append("workers forked from a process that imported torch and transformers once"
+                 if zygote else "a fresh Python process per worker")
     return "; ".join(parts)
 
 
@@ -204,6 +204,13 @@ class _Forked:
         self.zygote, self.pid, self.pidfd, self.returncode = zygote, pid, pidfd, None
         self.lost = False  # the zygote ended: nothing to wait for
 
+    @classmethod
+    def spawn(cls, zygote: _Zygote, request: dict, fd_in: int, fd_out: int, out) -> _Forked:
+        answer, pidfd = zygote.ask(request, (fd_in, fd_out, out.fileno()))
+        if len(pidfd) != 1 or not isinstance(answer.get("pid"), int):
+            raise SandboxError(f"the grading zygote answered a spawn with {answer}")
+        return cls(zygote, answer["pid"], pidfd[0])
+
     def poll(self):
         return self.wait(0.0)
 
@@ -215,6 +222,8 @@ class _Forked:
                 self.returncode = answer["code"]
             except ZygoteLost:
                 self.lost = True
+            except SandboxError:  # refused: it has no such child (already reaped)
+                pass
         return self.returncode
 
     def kill(self) -> None:
@@ -284,7 +293,7 @@ class Worker:
         self.folder = Path(tempfile.mkdtemp(prefix="grpo-grade-"))
         self.proc: subprocess.Popen | _Forked | None = None
         self.dead: str | None = None
-        self.lost_zygote = False  # it died with the zygote: the grader's fault, not the student's
+        self.lost_zygote = False  # it died with the zygote: the grader's failure, not the student's
         self.namespaced = False
         self.starting = False
 
@@ -306,38 +315,40 @@ class Worker:
                    "RLIMIT_NPROC": (_user_processes() + limits.processes,) * 2}
         env = {**WORKER_ENV, "HOME": str(home), "TMPDIR": str(home)}
         worker_file = self.pkg_root / "grpo_lab" / "course" / "_worker.py"
-        spawn = {"op": "spawn", "pkg": str(self.pkg_root), "worker": str(worker_file),
-                 "home": str(home), "env": env, "rlimits": rlimits, "writable": writable,
-                 "readable": readable}
         zygote = _zygote(limits.startup_s) if self.fork else None
-        while True:
-            to_worker_r, to_worker_w = os.pipe()
-            from_worker_r, from_worker_w = os.pipe()
-            out = open(self.folder / "output.txt", "wb")
+        if zygote is not None:
+            spawn = {"op": "spawn", "pkg": str(self.pkg_root), "worker": str(worker_file),
+                     "home": str(home), "env": env, "rlimits": rlimits, "writable": writable,
+                     "readable": readable}
             try:
-                if zygote is None:
-                    self.namespaced = userns_available()
-                    self.proc = self._exec(
-                        to_worker_r, from_worker_w, out, rlimits, env,
-                        BOOT.format(pkg=str(self.pkg_root), worker=str(worker_file),
-                                    fd_in=to_worker_r, fd_out=from_worker_w, writable=writable,
-                                    readable=readable))
-                    break
-                try:
-                    answer, pidfd = zygote.ask(spawn, (to_worker_r, from_worker_w, out.fileno()))
-                except (ZygoteLost, SandboxError):
-                    # not this submission's fault: a fresh process (and fresh pipes, in case
-                    # a child of the lost zygote still holds these until it dies with it)
-                    os.close(to_worker_w)
-                    os.close(from_worker_r)
-                    zygote = None
-                    continue
-                self.proc, self.namespaced = _Forked(zygote, int(answer["pid"]), *pidfd), True
-                break
-            finally:
-                out.close()
-                os.close(to_worker_r)
-                os.close(from_worker_w)
+                self._launch(lambda fd_in, fd_out, out: _Forked.spawn(zygote, spawn, fd_in,
+                                                                      fd_out, out))
+                self.namespaced = True
+                return
+            except SandboxError:  # the zygote's failure, not this submission's: exec'd, on
+                pass  # fresh pipes (a child of a lost zygote may hold the old ones a moment)
+        self.namespaced = userns_available()
+        self._launch(lambda fd_in, fd_out, out: self._exec(
+            fd_in, fd_out, out, rlimits, env,
+            BOOT.format(pkg=str(self.pkg_root), worker=str(worker_file), fd_in=fd_in,
+                        fd_out=fd_out, writable=writable, readable=readable)))
+
+    def _launch(self, launch) -> None:
+        """Pipes and the output file for a worker, and `launch(fd_in, fd_out, out)` to start
+        it with its ends; the grader keeps the other two."""
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        out = open(self.folder / "output.txt", "wb")
+        try:
+            self.proc = launch(to_worker_r, from_worker_w, out)
+        except BaseException:
+            os.close(to_worker_w)
+            os.close(from_worker_r)
+            raise
+        finally:
+            out.close()
+            os.close(to_worker_r)
+            os.close(from_worker_w)
         self.w, self.r = to_worker_w, from_worker_r
         self.starting = True
 
@@ -467,7 +478,8 @@ class Worker:
                 code = self.proc.wait(timeout=2)
         if isinstance(self.proc, _Forked) and self.proc.lost:
             self.lost_zygote = True
-            return "the grading zygote ended, and this worker with it (not the submission's doing)"
+            return ("the grading zygote ended, and this worker with it (not the submission's "
+                    "doing)")
         tail = self.output_tail(300).strip().splitlines()
         last = f" (last output: {tail[-1][:160]!r})" if tail else ""
         if code is not None and code > 128 and self.namespaced:
