@@ -239,6 +239,8 @@ def cmd_train(args) -> int:
                 f"--out {out} already holds a run; add --resume to continue it or pick a new --out"
             )
 
+    if cfg.model_path is not None:
+        config.saved_model_dir(cfg.model_path)
     # torch and transformers load only now, so a bad flag is answered at once
     from . import distributed
     from .course.plots import plot_run
@@ -352,9 +354,10 @@ def cmd_scenario(args) -> int:
         if args.name not in DEVICE_SCENARIOS:
             raise UsageError(f"--device: scenario {args.name!r} runs on CPU only; allowed "
                              f"with --device: {', '.join(DEVICE_SCENARIOS)}")
-        from .models import resolve_device
-
         try:
+            config.check_device_name(args.device)
+            from .models import resolve_device
+
             resolve_device(args.device)
         except ConfigError as e:  # "device must be ...": the flag's name in front
             raise UsageError(f"--{e}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +162,28 @@ class GRPOConfig:
         return cls(**values)
 
 
+# the devices a run may name (torch.device parses more, e.g. 'meta', which trains nothing)
+DEVICE_PATTERN = r"cpu|cuda(:[0-9]+)?|mps"
+DEVICE_RULE = "'cpu', 'cuda', 'cuda:N' or 'mps'"
+
+
+def check_device_name(device) -> None:
+    """ConfigError unless `device` is one a run may name; needs no torch (whether CUDA is
+    there is models.resolve_device's to say)."""
+    if not (isinstance(device, str) and re.fullmatch(DEVICE_PATTERN, device)):
+        raise ConfigError(f"device must be {DEVICE_RULE} (got {device!r})")
+
+
+def saved_model_dir(path) -> str:
+    """`path` when it holds a model saved with `save_pretrained` (its config.json), else
+    ConfigError. Checked before torch loads, so a wrong --model-path is answered at once."""
+    from pathlib import Path
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model_path {str(path)!r} has no config.json (save_pretrained layout)")
+    return path
+
+
 def _fail(name: str, rule: str, value: Any) -> None:
     raise ConfigError(f"GRPOConfig.{name} must be {rule} (got {value!r})")
 
@@ -221,6 +244,10 @@ def validate(cfg: GRPOConfig) -> None:
             _fail(name, "one of " + ", ".join(repr(a) for a in allowed), v)
     if cfg.profile is not None and cfg.profile not in PROFILES:
         _fail("profile", "None (automatic) or one of 'cpu', 'gpu'", cfg.profile)
+    if cfg.device is not None and not (
+        isinstance(cfg.device, str) and re.fullmatch(DEVICE_PATTERN, cfg.device)
+    ):
+        _fail("device", f"None (automatic), {DEVICE_RULE}", cfg.device)
     for name in ("skip_nonfinite_grad", "health_check", "safe_sampling", "scale_rewards",
                  "check_rewards", "gradient_checkpointing", "mask_truncated_completions"):
         if not isinstance(getattr(cfg, name), bool):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import PROFILES, ConfigError
+from .config import PROFILES, ConfigError, check_device_name, saved_model_dir
 from .startup import gc_paused
 
 with gc_paused():  # startup.py: a second of CPU less per process
@@ -75,10 +75,8 @@ def apply_thread_policy(profile: str) -> int:
 def resolve_device(device: str | None = None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {device!r})") from e
+    check_device_name(device)
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device is {device!r} but CUDA is not available on this machine")
     return dev
@@ -129,9 +127,7 @@ def load_local(path: str | Path) -> tuple[GPT2LMHeadModel, PreTrainedTokenizerBa
     """Load a policy and tokenizer saved with `save_pretrained` in one directory."""
     from transformers import AutoTokenizer
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model_path {str(path)!r} has no config.json (save_pretrained layout)")
+    path = Path(saved_model_dir(path))
     with quiet_loading():
         model = GPT2LMHeadModel.from_pretrained(path)
         tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(path))

@@ -15,8 +15,14 @@ BAD_VALUES = [
     ("log_ratio_clamp", math.nan), ("spike_skip_factor", 1.0), ("ratio_against", "ref"),
     ("ratio_level", "batch"), ("clip_term", "clip"), ("profile", "tpu"),
     ("health_check", "yes"), ("steps", -1), ("seed", -3), ("advantage_eps", 0.0),
-    ("eval_size", 0), ("snapshot_every", 0),
+    ("eval_size", 0), ("snapshot_every", 0), ("device", "tpu:0"), ("device", "meta"),
+    ("device", "cuda:x"), ("device", 0),
 ]
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:1", "mps"])
+def test_the_devices_a_run_may_name(device):
+    assert GRPOConfig(device=device).device == device
 
 
 @pytest.mark.parametrize("field,value", BAD_VALUES)

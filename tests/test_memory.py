@@ -83,7 +83,8 @@ def test_maxrss_units():
 
 def test_bad_input_is_refused_with_its_name(capsys):
     assert memory.main(["--device", "tpu"]) == 2
-    assert "device must be 'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "GRPOConfig.device must be None (automatic), 'cpu', 'cuda', 'cuda:N' or 'mps'" in err
     assert memory.main(["--profile", "big", "--device", "cpu"]) == 2
     assert "--profile must be 'cpu' or 'gpu' (got 'big')" in capsys.readouterr().err
     assert memory.main(["--profile", "gpu", "--device", "cpu"]) == 2
