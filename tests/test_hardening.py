@@ -39,7 +39,7 @@ def test_reference_health_check_rolls_back_as_the_trainer_does():
     trainer = Trainer(cfg, fast=False)
     FAULTS["nan-params"](trainer)
     history = trainer.train(progress=False)
-    run = steps.new_run(cfg)
+    run = steps.new_run(cfg, fast=False)
     run.snapshot = Snapshot(run.policy, run.optimizer, 0)
     faulty = steps.with_fault(run, partial(steps.grpo_step, loss_fn=steps.grpo_loss,
                                            update_fn=steps.guarded_update,
@@ -59,7 +59,7 @@ def test_reference_accumulated_step_is_the_trainers_accumulation():
     cfg = preset("stable", steps=1, eval_size=8, grad_accum_steps=4, loss_type="dapo")
     trainer = Trainer(cfg, fast=False)
     trainer.step()
-    run = steps.new_run(cfg)
+    run = steps.new_run(cfg, fast=False)
     hardening.accumulated_grpo_step(run, run.stream.sample(cfg.prompts_per_step),
                                     steps.grpo_loss, steps.guarded_update, steps.safe_sample)
     assert (_params(trainer.policy) - _params(run.policy)).abs().max().item() <= 1e-5

@@ -32,7 +32,7 @@ def test_reference_step_is_the_trainer_step_bit_for_bit():
     first = trainer.step()
     after_one = _params(trainer.policy)
     history = trainer.train(progress=False)
-    run = steps.new_run(cfg)
+    run = steps.new_run(cfg, fast=False)
     step = partial(steps.grpo_step, loss_fn=steps.grpo_loss)
     mine = step(run, run.stream.sample(cfg.prompts_per_step))
     assert (after_one - _params(run.policy)).abs().max().item() <= 1e-5

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..config import GRPOConfig
-from ..fast import fused_adamw
+from ..fast import fuse_gelu, fused_adamw
 from ..field.faults import INJECT_AT
 from ..health import Snapshot, all_finite, first_nonfinite_param, nonfinite_params
 from ..models import disable_dropout, frozen_copy, resolve_device
@@ -80,9 +80,13 @@ class Run:
 
 
 def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
-            tokenizer=None) -> Run:
+            tokenizer=None, fast: bool = True) -> Run:
     """A fresh run: the profile's policy (or `model`), its frozen copy as the reference,
-    AdamW, and the prompt stream, seeded exactly as `Trainer(cfg)` seeds them."""
+    AdamW, and the prompt stream, seeded exactly as `Trainer(cfg)` seeds them.
+
+    The models' GELU is torch's one-kernel version (`fast.fuse_gelu`), as in `Trainer(cfg)`:
+    the same function to float rounding, and your step runs ~13% faster. `fast=False` keeps
+    GPT-2's five-op `gelu_new`, for comparing with `Trainer(cfg, fast=False)` bit for bit."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     if model is None:
@@ -90,6 +94,8 @@ def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
     elif tokenizer is None:
         raise ValueError("pass the tokenizer together with the model")
     policy = disable_dropout(model.to(resolve_device(cfg.device))).train()
+    if fast:
+        fuse_gelu(policy)
     optimizer = fused_adamw(policy.parameters(), resolve_device(cfg.device),
                             lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return Run(cfg=cfg, policy=policy, reference=frozen_copy(policy), optimizer=optimizer,
