@@ -204,6 +204,19 @@ def _use_warm_kernels(config) -> None:
     kernel.NbvalKernelspecManager.get_kernel_spec = get_kernel_spec
 
 
+@pytest.fixture
+def warm_jupyter_path(request, tmp_path) -> str | None:
+    """A JUPYTER_PATH folder whose `python3` kernelspec starts this worker's warm kernels,
+    for a test whose notebooks run through another tool (nbgrader's autograde); None where
+    there are none (see _warm_kernel_argv)."""
+    argv = _warm_kernel_argv(request.config)
+    if argv is None:
+        return None
+    folder = tmp_path / "warm-jupyter"
+    _warm_kernels().write_kernelspec(folder, "python3", argv)
+    return str(folder)
+
+
 def pytest_xdist_auto_num_workers(config):
     wanted = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if wanted:

@@ -17,9 +17,13 @@ from grpo_lab.course import labs
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["00_setup_and_diagnostics.ipynb", "02_rewards_and_advantages.ipynb"]
 
-def nbgrader_cli(args: list[str], course: Path) -> subprocess.CompletedProcess:
+def nbgrader_cli(args: list[str], course: Path,
+                 jupyter_path: str | None = None) -> subprocess.CompletedProcess:
     # nbgrader runs `alembic` (its database migrations) from PATH: this environment's bin
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    if jupyter_path:  # the notebooks' `python3` kernel, forked warm (conftest.py)
+        env["JUPYTER_PATH"] = os.pathsep.join(
+            p for p in (jupyter_path, os.environ.get("JUPYTER_PATH")) if p)
     return subprocess.run([sys.executable, "-m", "nbgrader", *args,
                            f"--CourseDirectory.root={course}"], cwd=course, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -38,7 +42,7 @@ def test_source_cells_carry_nbgrader_metadata():
     assert len({m["grade_id"] for m in meta}) == len(meta)
 
 
-def test_nbgrader_generates_and_autogrades_the_course(tmp_path):
+def test_nbgrader_generates_and_autogrades_the_course(tmp_path, warm_jupyter_path):
     # the test extra has nbgrader: a missing one fails here, not skips. Imported here, not at
     # the top, so that the test workers that collect this file but do not run it skip the
     # import (1.8 s of CPU each)
@@ -78,7 +82,7 @@ def test_nbgrader_generates_and_autogrades_the_course(tmp_path):
                     c.source = "pass"
         nbformat.write(nb, student / name)
 
-    p = nbgrader_cli(["autograde", "ps1", "--create"], course)
+    p = nbgrader_cli(["autograde", "ps1", "--create"], course, warm_jupyter_path)
     assert p.returncode == 0, p.stderr[-3000:]
     from nbgrader.api import Gradebook
 
