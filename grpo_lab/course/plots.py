@@ -58,12 +58,13 @@ def plot_run(history: list[dict], path: str | Path | None = None, title: str = "
     ax_k.plot(s, v, lw=0.8)
     ax_k.set_title("kl (k3, per token)")
 
-    s, v = _series(history, "entropy")
-    ax_e.plot(s, v, lw=0.8, label="entropy")
-    s, v = _series(history, "completions/mean_length")
-    ax_e.plot(s, v, lw=0.8, label="completions/mean_length")
+    for key in ("entropy", "completions/mean_length"):
+        s, v = _series(history, key)
+        if s:  # the learner's step logs no entropy: no legend entry for an empty line
+            ax_e.plot(s, v, lw=0.8, label=key)
     ax_e.set_title("entropy and completion length")
-    ax_e.legend(loc="best", fontsize=8)
+    if ax_e.get_lines():
+        ax_e.legend(loc="best", fontsize=8)
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
