@@ -3,10 +3,12 @@ subprocesses, notebook kernels and torchrun ranks spend counts too. Linux only.
 
 Run the suite in one process, so that each figure is one test's alone:
 
-    PYTHONPATH=benchmarks OMP_NUM_THREADS=1 CI=true ./course test -n 0 -p cpu_per_test \
-        --cpu-log /tmp/cpu.jsonl
+    PYTHONPATH="$PWD/benchmarks" OMP_NUM_THREADS=1 CI=true ./course test -n 0 \
+        -p cpu_per_test --cpu-log /tmp/cpu.jsonl
 
-(OMP_NUM_THREADS=1: the thread count a test gets in the parallel run.) It prints the costliest
+(OMP_NUM_THREADS=1: the thread count a test gets in the parallel run. The path must be
+absolute: a relative one reaches the notebook kernels, which start in other folders, as a
+different sys.path, and test_warm_kernels rightly finds a plain kernel unlike a forked one.) It prints the costliest
 files and tests at the end and writes one JSON line per test to --cpu-log. Wall time is
 about the suite's total CPU (~17 min on 2 cores); the sum is what the parallel run shares
 out between its workers.
