@@ -6,30 +6,25 @@ Run the suite in one process, so that each figure is one test's alone:
     PYTHONPATH="$PWD/benchmarks" OMP_NUM_THREADS=1 CI=true ./course test -n 0 \
         -p cpu_per_test --cpu-log /tmp/cpu.jsonl
 
-(OMP_NUM_THREADS=1: the thread count a test gets in the parallel run. The path must be
-absolute: a relative one reaches the notebook kernels, which start in other folders, as a
-different sys.path, and test_warm_kernels rightly finds a plain kernel unlike a forked one.) It prints the costliest
-files and tests at the end and writes one JSON line per test to --cpu-log. Wall time is
-about the suite's total CPU (~17 min on 2 cores); the sum is what the parallel run shares
-out between its workers.
+OMP_NUM_THREADS=1 is the thread count a test gets in the parallel run. The path must be
+absolute: the notebook kernels start in other folders, where a relative one is another
+sys.path, and test_warm_kernels then rightly finds a plain kernel unlike a forked one.
+
+It prints the costliest files and tests at the end and writes one JSON line per test to
+--cpu-log. Wall time is about the suite's total CPU (~15-17 min on 2 cores); the sum is what
+the parallel run shares out between its workers.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
 
-_BUSY_FIELDS = (0, 1, 2, 5, 6)  # user, nice, system, irq, softirq
+from machine_cpu import busy_cpu_seconds
+
 _started: dict[str, tuple[float, float]] = {}
 _rows: list[dict] = []
-
-
-def _busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return sum(fields[i] for i in _BUSY_FIELDS) / os.sysconf("SC_CLK_TCK")
 
 
 def pytest_addoption(parser):
@@ -38,13 +33,13 @@ def pytest_addoption(parser):
 
 
 def pytest_runtest_logstart(nodeid, location):
-    _started[nodeid] = (_busy_seconds(), time.monotonic())
+    _started[nodeid] = (busy_cpu_seconds(), time.monotonic())
 
 
 def pytest_runtest_logfinish(nodeid, location):
     if nodeid in _started:
         busy, t0 = _started.pop(nodeid)
-        _rows.append({"test": nodeid, "cpu_s": round(_busy_seconds() - busy, 2),
+        _rows.append({"test": nodeid, "cpu_s": round(busy_cpu_seconds() - busy, 2),
                       "wall_s": round(time.monotonic() - t0, 2)})
 
 

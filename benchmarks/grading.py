@@ -13,23 +13,16 @@ from __future__ import annotations
 
 import argparse
 import glob
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from machine_cpu import busy_cpu_seconds  # the workers are killed, not reaped: no rusage
+
 from grpo_lab.course import grade, sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_seconds() -> float:
-    """Busy CPU seconds of the whole machine: the workers are killed, not reaped by the
-    grader, so its rusage misses them."""
-    with open("/proc/stat") as f:
-        user, nice, system, _, _, irq, softirq = (int(x) for x in f.readline().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def stop_zygote() -> None:
@@ -44,7 +37,7 @@ def grade_once(paths: list[Path], fork: bool) -> tuple[float, float, int]:
     sandbox._NO_ZYGOTE = no_zygote or not fork  # exec'd: as on a machine without the zygote
     try:
         manifest = grade.load_manifest()
-        t0, c0 = time.perf_counter(), cpu_seconds()
+        t0, c0 = time.perf_counter(), busy_cpu_seconds()
         points = 0
         with tempfile.TemporaryDirectory() as pkg:
             pkg_root = sandbox.package_copy(Path(pkg))
@@ -53,7 +46,7 @@ def grade_once(paths: list[Path], fork: bool) -> tuple[float, float, int]:
                                                  sandbox.Limits())
                 points += sum(r.points for r in records)
         stop_zygote()  # reaped, so that its workers' CPU is counted
-        return time.perf_counter() - t0, cpu_seconds() - c0, points
+        return time.perf_counter() - t0, busy_cpu_seconds() - c0, points
     finally:
         sandbox._NO_ZYGOTE = no_zygote
 

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
@@ -167,18 +168,20 @@ DEVICE_PATTERN = r"cpu|cuda(:[0-9]+)?|mps"
 DEVICE_RULE = "'cpu', 'cuda', 'cuda:N' or 'mps'"
 
 
-def check_device_name(device) -> None:
+def _is_device_name(device: Any) -> bool:
+    return isinstance(device, str) and re.fullmatch(DEVICE_PATTERN, device) is not None
+
+
+def check_device_name(device: Any) -> None:
     """ConfigError unless `device` is one a run may name; needs no torch (whether CUDA is
     there is models.resolve_device's to say)."""
-    if not (isinstance(device, str) and re.fullmatch(DEVICE_PATTERN, device)):
+    if not _is_device_name(device):
         raise ConfigError(f"device must be {DEVICE_RULE} (got {device!r})")
 
 
-def saved_model_dir(path) -> str:
+def saved_model_dir(path: str | Path) -> str | Path:
     """`path` when it holds a model saved with `save_pretrained` (its config.json), else
     ConfigError. Checked before torch loads, so a wrong --model-path is answered at once."""
-    from pathlib import Path
-
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"model_path {str(path)!r} has no config.json (save_pretrained layout)")
     return path
@@ -244,9 +247,7 @@ def validate(cfg: GRPOConfig) -> None:
             _fail(name, "one of " + ", ".join(repr(a) for a in allowed), v)
     if cfg.profile is not None and cfg.profile not in PROFILES:
         _fail("profile", "None (automatic) or one of 'cpu', 'gpu'", cfg.profile)
-    if cfg.device is not None and not (
-        isinstance(cfg.device, str) and re.fullmatch(DEVICE_PATTERN, cfg.device)
-    ):
+    if cfg.device is not None and not _is_device_name(cfg.device):
         _fail("device", f"None (automatic), {DEVICE_RULE}", cfg.device)
     for name in ("skip_nonfinite_grad", "health_check", "safe_sampling", "scale_rewards",
                  "check_rewards", "gradient_checkpointing", "mask_truncated_completions"):

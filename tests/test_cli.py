@@ -91,6 +91,32 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     assert "Traceback" not in p.stderr
 
 
+def test_a_wrong_model_path_or_device_is_refused_before_torch_loads(tmp_path):
+    """Both are checked from the config alone (config.saved_model_dir, check_device_name),
+    so the answer comes without the seconds that importing torch and transformers takes."""
+    out = str(tmp_path / "run")
+    probe = (
+        "import contextlib, io, sys\n"
+        "from grpo_lab.cli import main\n"
+        "codes, err = [], io.StringIO()\n"
+        f"for argv in (['train', '--preset', 'stable', '--out', {out!r}, '--model-path',\n"
+        f"              {str(tmp_path / 'nothing')!r}],\n"
+        f"             ['train', '--preset', 'stable', '--out', {out!r}, '--device', 'tpu:0'],\n"
+        "             ['scenario', 'nan-params-sampling-crash', '--device', 'meta']):\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        codes.append(main(argv))\n"
+        "print(codes, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        "print(err.getvalue(), end='')\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       env=ENV, timeout=60)
+    assert p.returncode == 0, p.stderr
+    first, *errors = p.stdout.splitlines()
+    assert first == "[2, 2, 2] []", p.stdout
+    assert len(errors) == 3 and "model_path" in errors[0] and "has no config.json" in errors[0]
+    assert "GRPOConfig.device must be" in errors[1] and "'tpu:0'" in errors[1]
+    assert "--device must be" in errors[2] and "'meta'" in errors[2]
+
+
 def test_config_file_unknown_key_is_rejected(tmp_path):
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"learning_rat": 1e-4}))
