@@ -244,9 +244,12 @@ def cmd_train(args) -> int:
     # torch and transformers load only now, so a bad flag is answered at once
     from . import distributed
     from .course.plots import plot_run
+    from .models import requested_device
     from .trainer import Trainer
 
-    problem = distributed.launch_problem(cfg.device)
+    # the device this run trains on decides whether the GPUs' count matters (the cpu profile
+    # trains on the CPU, however many GPUs the machine has)
+    problem = distributed.launch_problem(requested_device(cfg.device, cfg.profile))
     if problem:
         raise UsageError(problem)
     try:

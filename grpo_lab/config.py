@@ -34,12 +34,12 @@ class GRPOConfig:
     steps: int = 200
     """number of optimizer steps (one sampled batch of prompts per step)"""
     profile: str | None = None
-    """'cpu' (tiny GPT-2 shipped in the package) or 'gpu' (GPT-2 124M); None: chosen from
-    $GRPO_LAB_PROFILE, else 'gpu' when CUDA is present, else 'cpu'"""
+    """'cpu' (tiny GPT-2 shipped in the package) or 'gpu' (GPT-2 124M); None:
+    $GRPO_LAB_PROFILE, else 'cpu' (also when CUDA is present)"""
     model_path: str | None = None
     """load the policy from this directory (save_pretrained layout) instead of the profile's"""
     device: str | None = None
-    """'cpu', 'cuda', 'cuda:1'...; None: cuda when available, else cpu"""
+    """'cpu', 'cuda', 'cuda:1'...; None: the profile's (cpu: 'cpu'; gpu: CUDA)"""
 
     # --- sampling -------------------------------------------------------------------
     prompts_per_step: int = 8

@@ -37,14 +37,18 @@ CHARS = "0123456789+= "
 
 
 def resolve_profile(profile: str | None = None) -> str:
-    """The profile to use: the argument, else $GRPO_LAB_PROFILE, else by CUDA presence."""
+    """The profile to use: the argument, else $GRPO_LAB_PROFILE, else 'cpu'.
+
+    'cpu' also on a machine with CUDA: the notebooks' claims are measured on the tiny GPT-2.
+    On an H200 (benchmarks/RESULTS.md, "GPU checks, 2026-11-25") the gpu profile passed
+    notebooks 01 to 03 only, so it is chosen on purpose, never by the hardware found."""
     if profile is None:
         env = os.environ.get("GRPO_LAB_PROFILE", "").strip()
         if env:
             if env not in PROFILES:
                 raise ConfigError(f"GRPO_LAB_PROFILE must be 'cpu' or 'gpu' (got {env!r})")
             return env
-        return "gpu" if torch.cuda.is_available() else "cpu"
+        return "cpu"
     if profile not in PROFILES:
         raise ConfigError(f"profile must be 'cpu' or 'gpu' (got {profile!r})")
     return profile
@@ -72,7 +76,17 @@ def apply_thread_policy(profile: str) -> int:
     return torch.get_num_threads()
 
 
-def resolve_device(device: str | None = None) -> torch.device:
+def requested_device(device: str | None = None, profile: str | None = None) -> str | None:
+    """The device a run asks for: `device` when named; else 'cpu' for the cpu profile (the
+    tiny GPT-2 trains on the CPU, where its notebooks are measured, also beside a GPU), and
+    None for the gpu profile: CUDA, on the rank's GPU when a launcher started the run."""
+    if device is not None:
+        return device
+    return None if resolve_profile(profile) == "gpu" else "cpu"
+
+
+def resolve_device(device: str | None = None, profile: str | None = None) -> torch.device:
+    device = requested_device(device, profile)
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     check_device_name(device)

@@ -38,7 +38,7 @@ from .health import (
     first_nonfinite_param,
     nonfinite_params,
 )
-from .models import disable_dropout, frozen_copy, resolve_device
+from .models import disable_dropout, frozen_copy, requested_device, resolve_device
 from .objective import (
     clipped_surrogate,
     completion_logits,
@@ -124,8 +124,9 @@ class Trainer:
                 f"GRPOConfig.prompts_per_step must be divisible by the number of processes "
                 f"({world_size}) so each rank gets whole groups (got {cfg.prompts_per_step})"
             )
-        self.world, rank_device = distributed.setup(cfg.device)
-        self.device = rank_device or resolve_device(cfg.device)
+        device = requested_device(cfg.device, cfg.profile)
+        self.world, rank_device = distributed.setup(device)
+        self.device = rank_device or resolve_device(device)
         # ranks sample different completions; prompts come from the shared stream below
         torch.manual_seed(cfg.seed + self.world.rank)
         random.seed(cfg.seed)

@@ -13,6 +13,7 @@ import torch
 from grpo_lab import distributed
 from grpo_lab.cli import main
 from grpo_lab.config import ConfigError, preset
+from grpo_lab.models import requested_device
 from grpo_lab.trainer import Trainer, read_metrics, without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,9 @@ def test_plain_python_on_several_gpus_names_the_launcher(monkeypatch, tmp_path, 
     assert "torchrun --standalone --nproc_per_node 4 -m grpo_lab train" in problem
     assert "accelerate launch --multi_gpu --num_processes 4" in problem
     assert distributed.launch_problem("cuda:0") is None  # one GPU chosen on purpose
+    # the cpu profile (the default) trains on the CPU, so the GPUs are no one's concern
+    assert distributed.launch_problem(requested_device(None, "cpu")) is None
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")
     code = main(["train", "--preset", "stable", "--steps", "1", "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "nproc_per_node 4" in err
@@ -157,6 +161,9 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
     assert "--nproc_per_node 2" in problem
     with pytest.raises(ConfigError, match="only 2 GPU"):
         distributed.setup(None)
+    # the tiny model's ranks run on the CPU (gloo): seen refused on a 1-GPU machine before
+    # the cpu profile's runs asked for the CPU (notebook 12's torchrun, 2026-11-25)
+    assert distributed.launch_problem(requested_device(None, "cpu")) is None
 
 
 def test_prompts_must_split_evenly_over_ranks(monkeypatch):

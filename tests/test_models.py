@@ -10,6 +10,8 @@ from grpo_lab.models import (
     build_char_tokenizer,
     count_parameters,
     load_pretrained_gpt2,
+    requested_device,
+    resolve_device,
     resolve_profile,
 )
 from grpo_lab.objective import completion_logprobs
@@ -26,7 +28,26 @@ def test_profile_selection(monkeypatch):
     with pytest.raises(ConfigError, match="GRPO_LAB_PROFILE"):
         resolve_profile()
     monkeypatch.delenv("GRPO_LAB_PROFILE")
-    assert resolve_profile() == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert resolve_profile() == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_profile() == "cpu"  # chosen on purpose, never by the hardware found
+
+
+def test_the_device_follows_the_profile(monkeypatch):
+    # a machine with CUDA: the tiny model's runs stay on the CPU, where the notebooks'
+    # claims are measured; the gpu profile asks for CUDA (None: a launcher's rank decides)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("GRPO_LAB_PROFILE", raising=False)
+    assert requested_device(None, None) == "cpu"
+    assert resolve_device() == torch.device("cpu")
+    assert requested_device(None, "gpu") is None
+    assert resolve_device(None, "gpu") == torch.device("cuda")
+    assert requested_device("cuda:1", "cpu") == "cuda:1"  # a named device wins
+    assert resolve_device("cpu", "gpu") == torch.device("cpu")
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")
+    assert resolve_device() == torch.device("cuda")
+    with pytest.raises(ConfigError, match="device must be"):
+        resolve_device("tpu")
 
 
 def test_shipped_tiny_model_is_small_and_partly_right(tiny):

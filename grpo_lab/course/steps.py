@@ -93,10 +93,11 @@ def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
         model, tokenizer = load_policy(cfg.profile, cfg.model_path)
     elif tokenizer is None:
         raise ValueError("pass the tokenizer together with the model")
-    policy = disable_dropout(model.to(resolve_device(cfg.device))).train()
+    device = resolve_device(cfg.device, cfg.profile)
+    policy = disable_dropout(model.to(device)).train()
     if fast:
         fuse_gelu(policy)
-    optimizer = fused_adamw(policy.parameters(), resolve_device(cfg.device),
+    optimizer = fused_adamw(policy.parameters(), device,
                             lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return Run(cfg=cfg, policy=policy, reference=frozen_copy(policy), optimizer=optimizer,
                tokenizer=tokenizer, reward_fn=reward_fn, stream=ProblemStream(cfg.seed),

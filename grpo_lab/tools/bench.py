@@ -181,10 +181,11 @@ class Progress:
 
 
 def distance(model, start: list) -> float:
-    """L2 distance of the model's parameters from `start`: > 0 once it has trained."""
+    """L2 distance of the model's parameters from `start`: > 0 once it has trained. `start`
+    may lie on another device (TRL moves the model to the GPU after the copy was taken)."""
     import torch
 
-    return float(torch.sqrt(sum(((p.detach() - q) ** 2).sum() for p, q in
+    return float(torch.sqrt(sum(((p.detach() - q.to(p.device)) ** 2).sum() for p, q in
                                 zip(model.parameters(), start, strict=True))))
 
 
