@@ -40,7 +40,7 @@ def resolve_profile(profile: str | None = None) -> str:
     """The profile to use: the argument, else $GRPO_LAB_PROFILE, else 'cpu'.
 
     'cpu' also on a machine with CUDA: the notebooks' claims are measured on the tiny GPT-2.
-    On an H200 (benchmarks/RESULTS.md, "GPU checks, 2026-11-25") the gpu profile passed
+    On an H200 (benchmarks/RESULTS.md, "GPU checks") the gpu profile passed
     notebooks 01 to 03 only, so it is chosen on purpose, never by the hardware found."""
     if profile is None:
         env = os.environ.get("GRPO_LAB_PROFILE", "").strip()
