@@ -152,6 +152,21 @@ def test_plain_python_on_several_gpus_names_the_launcher(monkeypatch, tmp_path, 
     assert distributed.launch_problem(None) is None
 
 
+def test_the_cli_checks_the_launch_for_the_device_the_run_will_use(monkeypatch, tmp_path, capsys):
+    # notebook 12 on a 1-GPU machine (2026-11-25): two torchrun ranks of the tiny model were
+    # refused for the GPU count, though they train on the CPU
+    fake_gpus(monkeypatch, 4)
+    monkeypatch.delenv("GRPO_LAB_PROFILE", raising=False)
+    seen = []
+    monkeypatch.setattr(distributed, "launch_problem", lambda device: seen.append(device) or "stop")
+    args = ["train", "--preset", "stable", "--steps", "1", "--out", str(tmp_path / "r")]
+    assert main(args) == 2 and "stop" in capsys.readouterr().err
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")
+    assert main(args) == 2
+    assert main([*args, "--device", "cuda:1"]) == 2
+    assert seen == ["cpu", None, "cuda:1"]  # the cpu profile's CPU; the gpu profile's GPUs
+
+
 def test_more_processes_than_gpus_is_refused(monkeypatch):
     fake_gpus(monkeypatch, 2)
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from grpo_lab.tools import memory
 
@@ -79,6 +80,21 @@ def test_maxrss_units():
     assert 0.95 * current_mib <= peak < 100 * current_mib, (peak, current_mib)
     if sys.platform.startswith("linux"):
         assert peak == pytest.approx(memory._proc_status_mib("VmHWM"), rel=0.05, abs=5)
+
+
+def test_the_method_follows_the_device_the_run_trains_on(monkeypatch):
+    # with CUDA present and GRPO_LAB_PROFILE=gpu, the tiny model's config still trains on the
+    # CPU: measuring it with CUDA's counters would read nothing (and synchronize a CPU device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")
+    requests = []
+    monkeypatch.setattr(memory, "_run_worker", lambda request: requests.append(request)
+                        or {"rows": [{}]})
+    memory.measure_configs([memory.measuring_config()])  # profile 'cpu'
+    memory.capped_step(memory.measuring_config(max_grad_norm=None))
+    assert requests[0]["method"] in ("proc", "rusage") and requests[1]["task"] == "capped"
+    assert memory.default_method(None, "gpu") == "cuda"
+    assert memory.default_method("cpu", "gpu") != "cuda"
 
 
 def test_bad_input_is_refused_with_its_name(capsys):

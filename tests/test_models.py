@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from grpo_lab.config import ConfigError
+from grpo_lab.config import ConfigError, preset
+from grpo_lab.course.steps import new_run
 from grpo_lab.models import (
     TINY_MODEL_DIR,
     build_char_tokenizer,
@@ -18,6 +19,7 @@ from grpo_lab.objective import completion_logprobs
 from grpo_lab.policy import load_policy
 from grpo_lab.sampling import greedy_accuracy, sample_group
 from grpo_lab.tasks import eval_problems
+from grpo_lab.trainer import Trainer
 
 
 def test_profile_selection(monkeypatch):
@@ -48,6 +50,18 @@ def test_the_device_follows_the_profile(monkeypatch):
     assert resolve_device() == torch.device("cuda")
     with pytest.raises(ConfigError, match="device must be"):
         resolve_device("tpu")
+
+
+def test_runs_train_on_the_cpu_beside_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("GRPO_LAB_PROFILE", raising=False)
+    cfg = preset("stable", steps=1, eval_size=8)
+    assert Trainer(cfg).device == torch.device("cpu")
+    assert next(new_run(cfg).policy.parameters()).device == torch.device("cpu")
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")  # the config's own profile decides
+    cfg = cfg.replace(profile="cpu")
+    assert Trainer(cfg).device == torch.device("cpu")
+    assert next(new_run(cfg).policy.parameters()).device == torch.device("cpu")
 
 
 def test_shipped_tiny_model_is_small_and_partly_right(tiny):

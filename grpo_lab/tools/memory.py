@@ -12,7 +12,8 @@ How, per device:
 
 - CUDA: `torch.cuda.reset_peak_memory_stats()`, then `max_memory_allocated()` minus the
   `memory_allocated()` before the step. Exact for tensors; the caching allocator's
-  reserve (what nvidia-smi shows) is higher. (Not run on the development machine: no GPU.)
+  reserve (what nvidia-smi shows) is higher. Run on an H200 (benchmarks/RESULTS.md, "GPU
+  checks").
 - CPU, Linux: the process's peak RSS. Writing "5" to /proc/self/clear_refs resets the
   high-water mark VmHWM to the current RSS; VmHWM after the step minus VmRSS before it is
   the step's peak. With malloc's defaults that reset is not enough: glibc keeps freed
@@ -64,7 +65,7 @@ import torch
 
 from ..config import PROFILE_MODELS, ConfigError, GRPOConfig
 from ..memo import once_per_session
-from ..models import resolve_device
+from ..models import resolve_device, resolve_profile
 from ..policy import load_policy
 from ..trainer import Trainer
 from .parser import Parser, UsageError
@@ -137,9 +138,10 @@ def _proc_peak_resettable() -> bool:
     return Path("/proc/self/clear_refs").exists() and Path("/proc/self/status").exists()
 
 
-def default_method(device: str | None) -> str:
-    """'cuda' on a CUDA device, 'proc' where /proc can reset the peak, else 'rusage'."""
-    if resolve_device(device).type == "cuda":
+def default_method(device: str | None, profile: str | None = None) -> str:
+    """'cuda' when the run trains on CUDA (its device, else its profile's), 'proc' where
+    /proc can reset the peak, else 'rusage'."""
+    if resolve_device(device, profile).type == "cuda":
         return "cuda"
     return "proc" if _proc_peak_resettable() else "rusage"
 
@@ -240,7 +242,7 @@ def measure_configs(cfgs: list[GRPOConfig], method: str | None = None,
     if method not in (None, *METHODS):
         raise ValueError(f"method must be None (automatic) or one of {', '.join(METHODS)} "
                          f"(got {method!r})")
-    method = method or default_method(cfgs[0].device)
+    method = method or default_method(cfgs[0].device, cfgs[0].profile)
     if not isolate:
         if method == "rusage":
             raise ValueError("getrusage's peak cannot be reset: measure in a fresh process "
@@ -427,7 +429,7 @@ def capped_step(cfg: GRPOConfig, budget_mib: float = OOM_BUDGET_MIB,
     `check_gradient`)}. Needs /proc on CPU (Linux)."""
     if cfg.max_grad_norm is not None:
         raise ValueError("capped_step compares raw gradients: use max_grad_norm=None")
-    if default_method(cfg.device) == "rusage":
+    if default_method(cfg.device, cfg.profile) == "rusage":
         raise RuntimeError("capped_step needs Linux's /proc on CPU (or a CUDA device)")
     return _run_worker({"task": "capped", "config": cfg.to_dict(), "budget_mib": budget_mib,
                         "check_gradient": check_gradient})
@@ -461,19 +463,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="four rows instead of nine")
     parser.add_argument("--device", default=None, help="'cpu', 'cuda', 'cuda:1'; default: "
-                        "cuda when available, else cpu")
+                        "the profile's (cpu: the CPU, gpu: CUDA)")
     parser.add_argument("--profile", default=None, help="'cpu' (the tiny GPT-2) or 'gpu' "
-                        "(GPT-2 124M); default: gpu on a CUDA device, else cpu")
+                        "(GPT-2 124M); default: gpu with a CUDA --device, else "
+                        "$GRPO_LAB_PROFILE, else cpu")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     try:
         args = parser.parse_args(argv)
         if args.worker:
             return _worker_main()
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        profile = args.profile or ("gpu" if device.startswith("cuda") else "cpu")
+        if args.profile:
+            profile = args.profile
+        elif args.device:
+            profile = "gpu" if args.device.startswith("cuda") else "cpu"
+        else:
+            profile = resolve_profile()
         if profile not in PROFILE_MODELS:
             raise UsageError(f"--profile must be 'cpu' or 'gpu' (got {profile!r})")
+        device = args.device or str(resolve_device(None, profile))
         if profile == "gpu" and not device.startswith("cuda"):
             raise UsageError("--profile gpu (GPT-2 124M) needs a CUDA device (--device cuda)")
         rows = memory_table(quick=args.quick, device=device, profile=profile)
