@@ -188,7 +188,10 @@ def _config_from_args(args) -> GRPOConfig:
         overrides["seed"] = args.seed
     if args.steps is not None:
         overrides["steps"] = args.steps
-    return preset(args.preset, **overrides)
+    cfg = preset(args.preset, **overrides)
+    # the profile this run resolves ($GRPO_LAB_PROFILE, else cpu), so that config.json names
+    # the model that trains and --resume in a shell with another $GRPO_LAB_PROFILE is refused
+    return cfg.replace(profile=config.resolve_profile(cfg.profile))
 
 
 def _refuse_changes(args, saved: dict) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +171,24 @@ DEVICE_RULE = "'cpu', 'cuda', 'cuda:N' or 'mps'"
 
 def _is_device_name(device: Any) -> bool:
     return isinstance(device, str) and re.fullmatch(DEVICE_PATTERN, device) is not None
+
+
+def resolve_profile(profile: str | None = None) -> str:
+    """The profile to use: the argument, else $GRPO_LAB_PROFILE, else 'cpu'.
+
+    'cpu' also on a machine with CUDA: the notebooks' claims are measured on the tiny GPT-2.
+    On an H200 (benchmarks/RESULTS.md, "GPU checks") the gpu profile passed
+    notebooks 01 to 03 only, so it is chosen on purpose, never by the hardware found."""
+    if profile is None:
+        env = os.environ.get("GRPO_LAB_PROFILE", "").strip()
+        if env:
+            if env not in PROFILES:
+                raise ConfigError(f"GRPO_LAB_PROFILE must be 'cpu' or 'gpu' (got {env!r})")
+            return env
+        return "cpu"
+    if profile not in PROFILES:
+        raise ConfigError(f"profile must be 'cpu' or 'gpu' (got {profile!r})")
+    return profile
 
 
 def check_device_name(device: Any) -> None:

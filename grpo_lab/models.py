@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import PROFILES, ConfigError, check_device_name, saved_model_dir
+from .config import ConfigError, check_device_name, resolve_profile, saved_model_dir
 from .startup import gc_paused
 
 with gc_paused():  # startup.py: a second of CPU less per process
@@ -34,24 +34,6 @@ CACHE_DIR = Path(os.environ.get("GRPO_LAB_CACHE", Path.home() / ".cache" / "grpo
 EOS = "<|endoftext|>"
 PAD = "<pad>"
 CHARS = "0123456789+= "
-
-
-def resolve_profile(profile: str | None = None) -> str:
-    """The profile to use: the argument, else $GRPO_LAB_PROFILE, else 'cpu'.
-
-    'cpu' also on a machine with CUDA: the notebooks' claims are measured on the tiny GPT-2.
-    On an H200 (benchmarks/RESULTS.md, "GPU checks") the gpu profile passed
-    notebooks 01 to 03 only, so it is chosen on purpose, never by the hardware found."""
-    if profile is None:
-        env = os.environ.get("GRPO_LAB_PROFILE", "").strip()
-        if env:
-            if env not in PROFILES:
-                raise ConfigError(f"GRPO_LAB_PROFILE must be 'cpu' or 'gpu' (got {env!r})")
-            return env
-        return "cpu"
-    if profile not in PROFILES:
-        raise ConfigError(f"profile must be 'cpu' or 'gpu' (got {profile!r})")
-    return profile
 
 
 THREADS_ENV = "GRPO_LAB_THREADS"

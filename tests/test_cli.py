@@ -174,7 +174,7 @@ def test_bench_subcommand_hands_its_options_to_the_benchmark():
     assert "--steps must be an integer >= 1" in p.stderr and p.stderr.count("\n") == 1
 
 
-def test_resume_accepts_the_same_command_and_names_what_differs(tmp_path, capsys):
+def test_resume_accepts_the_same_command_and_names_what_differs(tmp_path, capsys, monkeypatch):
     """The first command with --resume appended continues the run; a flag that differs
     from the saved config is refused with both values. (In-process: cli.main.)"""
     from grpo_lab.cli import main
@@ -182,7 +182,9 @@ def test_resume_accepts_the_same_command_and_names_what_differs(tmp_path, capsys
     out = tmp_path / "r"
     first = ["train", "--preset", "stable", "--steps", "1", "--seed", "0", "--out", str(out),
              "--eval-size", "4", "--checkpoint-every", "1", "--no-progress"]
+    monkeypatch.delenv("GRPO_LAB_PROFILE", raising=False)
     assert main(first) == 0
+    assert json.loads((out / "config.json").read_text())["profile"] == "cpu"  # resolved
     assert main(first[:4] + ["2"] + first[5:] + ["--resume"]) == 0
     assert [m["step"] for m in metrics(out)][-1] == 2
     capsys.readouterr()
@@ -191,3 +193,7 @@ def test_resume_accepts_the_same_command_and_names_what_differs(tmp_path, capsys
     assert "--seed (saved 0, got 1)" in err and "--learning-rate (saved 0.0001, got 0.5)" in err
     assert main(["train", "--preset", "naive", "--out", str(out), "--resume"]) == 2
     assert "--max-grad-norm (saved 1.0, got 0.5)" in capsys.readouterr().err
+    # the same command in a shell that asks for the other model: refused, not a size mismatch
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")
+    assert main(first + ["--resume"]) == 2
+    assert "--profile (saved 'cpu', got 'gpu')" in capsys.readouterr().err
