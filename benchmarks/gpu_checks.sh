@@ -12,7 +12,8 @@
 # 1. report 000 and 002 as device-side asserts, each in a fresh process, and what the next
 #    CUDA call in that process does; then the warm start of GPT-2 124M (cached); 2. the
 #    peak-memory table of GPT-2 124M; 3. grpo_lab vs TRL on GPT-2 124M: s/step, tokens/s,
-#    MFU; 4. notebooks (05 and 11 unless NOTEBOOKS says) under the gpu profile, timed. Copy the figures into benchmarks/RESULTS.md with the command that made them.
+#    MFU; 4. notebooks (05 and 11 unless NOTEBOOKS says) under the gpu profile, timed.
+#    Copy the figures into benchmarks/RESULTS.md with the command that made them.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:-benchmarks/gpu-$(date +%F)}
@@ -46,7 +47,7 @@ for side in "" --fixed; do
   run "scenario-002$side" "$py" -m grpo_lab scenario pad-token-vocab-mismatch --device "$device" $side
 done
 if [ "$device" = cuda ]; then
-  run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {sum(p.numel() for p in m.parameters())} parameters, {time.time() - t:.1f} s')"
+  run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; from grpo_lab.models import count_parameters; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {count_parameters(m)} parameters, {time.time() - t:.1f} s')"
 fi
 run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" "${memory[@]}"
 run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}"

@@ -91,8 +91,13 @@ def test_the_method_follows_the_device_the_run_trains_on(monkeypatch):
     monkeypatch.setattr(memory, "_run_worker", lambda request: requests.append(request)
                         or {"rows": [{}]})
     memory.measure_configs([memory.measuring_config()])  # profile 'cpu'
-    memory.capped_step(memory.measuring_config(max_grad_norm=None))
-    assert requests[0]["method"] in ("proc", "rusage") and requests[1]["task"] == "capped"
+    assert requests[0]["method"] in ("proc", "rusage")
+    # without /proc the CPU's peak cannot be reset, which capped_step needs: it must see that
+    # the tiny model's step runs on the CPU, not take CUDA's counters from the environment
+    monkeypatch.setattr(memory, "_proc_peak_resettable", lambda: False)
+    with pytest.raises(RuntimeError, match="needs Linux's /proc"):
+        memory.capped_step(memory.measuring_config(max_grad_norm=None))
+    assert len(requests) == 1
     assert memory.default_method(None, "gpu") == "cuda"
     assert memory.default_method("cpu", "gpu") != "cuda"
 
