@@ -86,11 +86,18 @@ TRAIN = ["-m", "grpo_lab", "train", "--preset", "stable", "--no-progress",
          "--checkpoint-every", "2", "--eval-every", "2"]
 
 
-def test_torchrun_run_writes_one_metrics_file_and_resumes_exactly(tmp_path):
-    whole, part = tmp_path / "whole", tmp_path / "part"
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """A 4-step torchrun run, 2 ranks: (its folder, its stdout)."""
+    whole = tmp_path_factory.mktemp("whole")
     run = torchrun(*TRAIN, "--steps", "4", "--out", str(whole))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "data-parallel: 2 processes, 2 prompts each per step" in run.stdout
+    return whole, run.stdout
+
+
+def test_torchrun_run_writes_one_metrics_file(whole_run):
+    whole, stdout = whole_run
+    assert "data-parallel: 2 processes, 2 prompts each per step" in stdout
     assert sorted(p.name for p in whole.iterdir()) == [
         "checkpoint.pt", "config.json", "metrics.jsonl", "metrics.png"]
     metrics = read_metrics(whole)
@@ -99,32 +106,35 @@ def test_torchrun_run_writes_one_metrics_file_and_resumes_exactly(tmp_path):
     # config.json is the plain config: the same run config works on 1 or N processes
     assert "world_size" not in json.loads((whole / "config.json").read_text())
 
-    first = torchrun(*TRAIN, "--steps", "2", "--out", str(part))
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = torchrun("-m", "grpo_lab", "train", "--resume", "--steps", "4", "--out",
-                       str(part), "--no-progress")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming" in resumed.stdout
-    assert without_timing(read_metrics(part)) == without_timing(metrics)
-
-    # a single process cannot continue a 2-process run exactly: one line, exit 2
+    # a single process cannot continue a 2-process run exactly: one line, exit 2, nothing written
+    before = {p.name: p.read_bytes() for p in whole.iterdir()}
     alone = launch([sys.executable, "-m", "grpo_lab", "train", "--resume", "--steps", "5",
-                    "--out", str(part)])
+                    "--out", str(whole)])
     assert alone.returncode == 2
     assert alone.stderr.strip().count("\n") == 0
     assert "written by 2 process(es)" in alone.stderr and "--nproc_per_node 2" in alone.stderr
+    assert {p.name: p.read_bytes() for p in whole.iterdir()} == before
 
 
-def test_accelerate_launch_runs_the_same_trainer(tmp_path):
+def test_accelerate_launch_runs_the_same_trainer_and_torchrun_resumes_it_exactly(
+        whole_run, tmp_path):
     # `--multi_gpu` is accelerate's DDP launcher; with no GPU the trainer falls back to gloo
     # on CPU. (`--cpu --num_processes 2` would start a single process: accelerate's
-    # multi-CPU mode needs MPI.)
+    # multi-CPU mode needs MPI.) Its first 2 steps are then resumed to 4 by torchrun, which
+    # must give the 4-step torchrun run's metrics: one run, whichever launcher started it.
     run = launch([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                   *TRAIN, "--steps", "2", "--out", str(tmp_path)])
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data-parallel: 2 processes" in run.stdout
     assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
+
+    resumed = torchrun("-m", "grpo_lab", "train", "--resume", "--steps", "4", "--out",
+                       str(tmp_path), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout
+    whole, _ = whole_run
+    assert without_timing(read_metrics(tmp_path)) == without_timing(read_metrics(whole))
 
 
 def fake_gpus(monkeypatch, n: int) -> None:

@@ -63,3 +63,29 @@ def test_resumes_are_identical():
     lines = []
     ok, total = reliability.check_resumes(lines.append)
     assert ok == total, "\n".join(lines)
+
+
+def test_a_run_stuck_in_the_hanging_reward_is_called_hung_after_the_grace(monkeypatch):
+    """The runner stops waiting HANG_GRACE (+ the reward timeout) after the run entered the
+    never-returning reward function, not HANG_LIMIT after the start; a run that ends by itself
+    is waited for."""
+    import threading
+    import time
+
+    from grpo_lab.field import faults
+
+    monkeypatch.setattr(faults, "HANG_LIMIT", 600.0)
+    monkeypatch.setattr(faults, "HANG_GRACE", 0.5)
+    faults._reward_hanging.clear()
+    stuck = threading.Thread(target=faults._hang, args=([], []), daemon=True)
+    t0 = time.monotonic()
+    stuck.start()
+    faults.wait_for_run(stuck, reward_timeout=0.0)
+    assert stuck.is_alive() and faults._reward_hanging.is_set()
+    assert time.monotonic() - t0 < 25  # the grace, not HANG_LIMIT (600 s)
+
+    faults._reward_hanging.clear()
+    done = threading.Thread(target=lambda: threading.Event().wait(1.0), daemon=True)
+    done.start()
+    faults.wait_for_run(done, reward_timeout=0.0)
+    assert not done.is_alive()

@@ -29,6 +29,10 @@ from .scenarios import run_scenario
 INJECT_AT = 7  # the step whose work the fault breaks (after the spike rule's warm-up)
 STEPS = 8
 HANG_LIMIT = 20.0  # seconds past the reward timeout before the runner calls a run hung
+# once the reward-hangs fault's function has been entered (it never returns): seconds past the
+# reward timeout before the runner calls the run hung, instead of waiting out HANG_LIMIT
+HANG_GRACE = 5.0
+_reward_hanging = threading.Event()  # set by _hang when a run enters it
 CLEAR_ERRORS = (RewardError, SamplingError, ConfigError)
 
 
@@ -136,6 +140,7 @@ def _raise(completions, rewards):
 
 
 def _hang(completions, rewards):
+    _reward_hanging.set()
     time.sleep(3600)
 
 
@@ -162,6 +167,21 @@ FAULTS: dict[str, Callable] = {
 }
 
 
+def wait_for_run(thread: threading.Thread, reward_timeout: float) -> None:
+    """Wait until the run's thread ends, HANG_LIMIT + reward_timeout seconds at most; once the
+    run is inside the never-returning reward function, HANG_GRACE + reward_timeout at most
+    from then (a trainer with a reward timeout raises by then)."""
+    now = time.monotonic()
+    deadline = now + HANG_LIMIT + reward_timeout
+    hang_seen = None
+    while thread.is_alive() and now < deadline:
+        if hang_seen is None and _reward_hanging.is_set():
+            hang_seen = now
+            deadline = min(deadline, hang_seen + HANG_GRACE + reward_timeout)
+        thread.join(min(0.05, deadline - now))
+        now = time.monotonic()
+
+
 @once_per_session
 def run_fault(name: str, preset_name: str, **overrides) -> FaultResult:
     """Train STEPS steps with the fault injected at step INJECT_AT; report what happened."""
@@ -181,8 +201,9 @@ def run_fault(name: str, preset_name: str, **overrides) -> FaultResult:
                 outcome["error"] = e
 
         thread = threading.Thread(target=target, daemon=True)
+        _reward_hanging.clear()
         thread.start()
-        thread.join(HANG_LIMIT + (cfg.reward_timeout or 0))
+        wait_for_run(thread, cfg.reward_timeout or 0.0)
         hung = thread.is_alive()
         err = outcome.get("error")
         ckpt = Path(tmp) / CHECKPOINT

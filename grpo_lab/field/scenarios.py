@@ -384,7 +384,7 @@ def launch_without_launcher(fixed: bool) -> Outcome:
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", GRPO_LAB_DIST_TIMEOUT="10")
+    env.update(OMP_NUM_THREADS="1", GRPO_LAB_DIST_TIMEOUT="3")
     train = ["-m", "grpo_lab", "train", "--preset", "stable", "--steps", "1", "--no-progress",
              "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8"]
     with tempfile.TemporaryDirectory() as out:
