@@ -47,6 +47,22 @@ def test_preset_overrides_are_validated():
         preset("bogus")
 
 
+def test_a_preset_takes_its_profiles_values(monkeypatch):
+    monkeypatch.delenv("GRPO_LAB_PROFILE", raising=False)
+    assert preset("stable").learning_rate == 1e-4  # the tiny model's
+    assert preset("stable", profile="gpu").learning_rate == 1e-5  # GPT-2 124M's
+    assert preset("naive", profile="gpu").learning_rate == preset("naive").learning_rate
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "gpu")
+    assert preset("stable").learning_rate == 1e-5
+    assert preset("stable", profile="cpu").learning_rate == 1e-4
+    assert preset("stable", learning_rate=3e-5).learning_rate == 3e-5  # an override wins
+    with pytest.raises(ConfigError, match=r"GRPOConfig\.profile must be"):
+        preset("stable", profile="tpu")
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "tpu")
+    with pytest.raises(ConfigError, match="GRPO_LAB_PROFILE must be 'cpu' or 'gpu'"):
+        preset("stable")
+
+
 def test_from_dict_rejects_unknown_keys_and_round_trips():
     cfg = preset("stable", loss_type="dapo")
     assert GRPOConfig.from_dict(cfg.to_dict()) == cfg
