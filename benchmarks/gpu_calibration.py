@@ -3,9 +3,10 @@
 Under GRPO_LAB_PROFILE=gpu notebook 04's stable run lost reward (0.048 -> 0.011 over 150 steps
 on an H200, benchmarks/RESULTS.md "GPU checks"). This script warm-starts the 124M
 architecture offline (the 15-token vocabulary, as policy.gpu_policy does without a hub) to
-each target greedy accuracy, measures the reward the stable preset samples before any
-update, then runs notebook 04's stable run (150 steps, eval every 25 on 128 problems) at each
-learning rate. One JSON line per run.
+each target greedy accuracy, then runs notebook 04's stable run (150 steps, eval every 25 on
+128 problems) at each learning rate: the mean reward of its first and last ten steps, the
+share of groups with no reward variance, the greedy accuracies, the KL. One JSON line per
+run. (Pretrained `gpt2`, which the profile loads where the hub is reachable, is not measured.)
 
     python benchmarks/gpu_calibration.py --targets 0.4 0.7 --lrs 1e-4 3e-5 1e-5
     python benchmarks/gpu_calibration.py --smoke      # the tiny model on CPU, 3 steps: the code runs

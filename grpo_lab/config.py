@@ -311,9 +311,10 @@ STABLE = dict(
 
 PRESETS = {"naive": NAIVE, "stable": STABLE}
 
-# What a preset changes under a profile. GPT-2 124M at the stable preset's 1e-4 collapses in
-# notebook 04's 150-step run (greedy accuracy 0.35 -> 0.02 on an H200) and improves at 1e-5
-# (0.35 -> 0.59): benchmarks/RESULTS.md, "GPU calibration". The naive preset breaks either way.
+# What a preset changes under a profile. GPT-2 124M (the 124M architecture warm-started
+# offline; pretrained `gpt2` not measured) at the stable preset's 1e-4 collapses in notebook
+# 04's 150-step run (greedy accuracy 0.35 -> 0.02 on an H200) and improves at 1e-5 (0.35 ->
+# 0.59): benchmarks/RESULTS.md, "GPU calibration". The naive preset breaks either way.
 PROFILE_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {},
     "gpu": {"stable": dict(learning_rate=1e-5)},
@@ -322,7 +323,9 @@ PROFILE_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 def preset(name: str, **overrides: Any) -> GRPOConfig:
     """A preset's config with `overrides` applied on top (validated). The preset's values
-    are its profile's (PROFILE_PRESETS): the `profile` override, else $GRPO_LAB_PROFILE."""
+    are its profile's (PROFILE_PRESETS): the `profile` override, else $GRPO_LAB_PROFILE as
+    it is now. The config keeps profile=None unless given one (the run resolves it again),
+    so build it under the profile it will run with."""
     if name not in PRESETS:
         raise ConfigError(f"preset must be one of {', '.join(PRESETS)} (got {name!r})")
     profile = overrides.get("profile") or resolve_profile()  # a bad one: GRPOConfig says so

@@ -88,19 +88,18 @@ TRAIN = ["-m", "grpo_lab", "train", "--preset", "stable", "--no-progress",
 
 @pytest.fixture(scope="module")
 def whole_run(tmp_path_factory):
-    """A 4-step torchrun run, 2 ranks: (its folder, its stdout)."""
+    """A 4-step torchrun run, 2 ranks: (its folder, its stdout, its metrics as written)."""
     whole = tmp_path_factory.mktemp("whole")
     run = torchrun(*TRAIN, "--steps", "4", "--out", str(whole))
     assert run.returncode == 0, run.stderr[-3000:]
-    return whole, run.stdout
+    return whole, run.stdout, read_metrics(whole)
 
 
 def test_torchrun_run_writes_one_metrics_file(whole_run):
-    whole, stdout = whole_run
+    whole, stdout, metrics = whole_run
     assert "data-parallel: 2 processes, 2 prompts each per step" in stdout
     assert sorted(p.name for p in whole.iterdir()) == [
         "checkpoint.pt", "config.json", "metrics.jsonl", "metrics.png"]
-    metrics = read_metrics(whole)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]  # rank 0 alone wrote them
     assert torch.load(whole / "checkpoint.pt", weights_only=False)["world_size"] == 2
     # config.json is the plain config: the same run config works on 1 or N processes
@@ -133,8 +132,7 @@ def test_accelerate_launch_runs_the_same_trainer_and_torchrun_resumes_it_exactly
                        str(tmp_path), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout
-    whole, _ = whole_run
-    assert without_timing(read_metrics(tmp_path)) == without_timing(read_metrics(whole))
+    assert without_timing(read_metrics(tmp_path)) == without_timing(whole_run[2])
 
 
 def fake_gpus(monkeypatch, n: int) -> None:

@@ -384,7 +384,9 @@ def launch_without_launcher(fixed: bool) -> Outcome:
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", GRPO_LAB_DIST_TIMEOUT="3")
+    # the broken rank waits 3 s for the rank that never comes; torchrun's ranks get 10 s
+    # for each other at every collective (rank 1 waits while rank 0 evaluates)
+    env.update(OMP_NUM_THREADS="1", GRPO_LAB_DIST_TIMEOUT="10")
     train = ["-m", "grpo_lab", "train", "--preset", "stable", "--steps", "1", "--no-progress",
              "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8"]
     with tempfile.TemporaryDirectory() as out:
@@ -393,7 +395,7 @@ def launch_without_launcher(fixed: bool) -> Outcome:
             cmd = [torchrun, "--standalone", "--nproc_per_node", "2", *train, "--out", out]
         else:
             env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
+                       MASTER_PORT=str(port), GRPO_LAB_DIST_TIMEOUT="3")
             cmd = [sys.executable, *train, "--out", out]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         wrote = (Path(out) / "metrics.jsonl").exists()
