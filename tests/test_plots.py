@@ -27,3 +27,26 @@ def test_live_plot_draws_the_trainer_history_from_step_0(tiny, capsys):
     assert [m["step"] for m in shared.history] == [0, 1, 2]
     assert "eval/accuracy" in shared.history[0]
     assert [m["step"] for m in own.history] == [1, 2]
+
+
+def test_the_last_panel_is_titled_by_what_it_draws():
+    """A trainer history logs entropy and completion length; the learner's step logs no
+    entropy, and its panel must not promise one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from grpo_lab.course.plots import plot_run
+
+    def history(**extra):
+        return [{"step": s, "reward": 0.5, "grad_norm": 1.0, "kl": 0.1,
+                 "completions/mean_length": 3.0 + s, **extra} for s in (1, 2, 3)]
+
+    titles = {}
+    for name, h in (("trainer", history(entropy=1.0)), ("learner", history()),
+                    ("neither", [{"step": 1, "reward": 0.5, "grad_norm": 1.0, "kl": 0.1}])):
+        fig = plot_run(h)
+        titles[name] = fig.axes[-1].get_title()
+        matplotlib.pyplot.close(fig)
+    assert titles == {"trainer": "entropy and completion length",
+                      "learner": "completion length",
+                      "neither": "entropy and completion length: not logged"}

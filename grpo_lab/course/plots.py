@@ -58,11 +58,13 @@ def plot_run(history: list[dict], path: str | Path | None = None, title: str = "
     ax_k.plot(s, v, lw=0.8)
     ax_k.set_title("kl (k3, per token)")
 
-    for key in ("entropy", "completions/mean_length"):
+    shown = []  # the learner's step logs no entropy: neither a line nor a title for it
+    for key, name in (("entropy", "entropy"), ("completions/mean_length", "completion length")):
         s, v = _series(history, key)
-        if s:  # the learner's step logs no entropy: no legend entry for an empty line
+        if s:
             ax_e.plot(s, v, lw=0.8, label=key)
-    ax_e.set_title("entropy and completion length")
+            shown.append(name)
+    ax_e.set_title(" and ".join(shown) or "entropy and completion length: not logged")
     if ax_e.get_lines():
         ax_e.legend(loc="best", fontsize=8)
     for ax in axes.flat:
