@@ -2,7 +2,7 @@
 
 Under GRPO_LAB_PROFILE=gpu notebook 04's stable run lost reward (0.048 -> 0.011 over 150 steps
 on an H200, benchmarks/RESULTS.md "GPU checks"). This script warm-starts the 124M
-architecture offline (the 15-token vocabulary, as policy.gpu_policy does without a hub) to
+architecture offline (`policy.offline_gpt2_124m`, as the profile does without a hub) to
 each target greedy accuracy, then runs notebook 04's stable run (150 steps, eval every 25 on
 128 problems) at each learning rate: the mean reward of its first and last ten steps, the
 share of groups with no reward variance, the greedy accuracies, the KL. One JSON line per
@@ -21,18 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from grpo_lab.config import preset
-from grpo_lab.models import (
-    TINY_MODEL_DIR,
-    GPT2LMHeadModel,
-    build_char_tokenizer,
-    gpt2_124m_config,
-    load_local,
-    prepare_tokenizer,
-)
-from grpo_lab.policy import warm_start
+from grpo_lab.models import TINY_MODEL_DIR, load_local
+from grpo_lab.policy import GPU_WARM_START_LR, offline_gpt2_124m, warm_start
 from grpo_lab.trainer import Trainer
 
 
@@ -42,12 +33,9 @@ def warm_model(target: float, folder: Path, smoke: bool, max_steps: int) -> dict
         model, tokenizer = load_local(TINY_MODEL_DIR)
         summary = {"steps": 0, "dev_accuracy": None, "seconds": 0.0}
     else:
-        tokenizer = prepare_tokenizer(build_char_tokenizer())
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(
-            gpt2_124m_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id))
+        model, tokenizer = offline_gpt2_124m()
         model.cuda()
-        summary = warm_start(model, tokenizer, target_accuracy=target, lr=1e-4,
+        summary = warm_start(model, tokenizer, target_accuracy=target, lr=GPU_WARM_START_LR,
                              max_steps=max_steps, log=lambda *_: None)
     model.cpu().save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, resolve_profile
 from .models import (
     CACHE_DIR,
     TINY_MODEL_DIR,
@@ -28,7 +28,6 @@ from .models import (
     load_local,
     load_pretrained_gpt2,
     prepare_tokenizer,
-    resolve_profile,
 )
 from .objective import position_ids_from_mask, sequence_mean_nll
 from .sampling import greedy_accuracy
@@ -95,22 +94,29 @@ def warm_start(
 GPU_CACHE = CACHE_DIR / "gpt2-124m-warm"
 
 
+GPU_WARM_START_LR = 1e-4  # the tiny model's 1e-3 is too high for 124M parameters
+
+
+def offline_gpt2_124m():
+    """(model, tokenizer): GPT-2 124M's architecture, untrained (seed 0), with the course's
+    character tokenizer: what the gpu profile warm-starts where pretrained `gpt2` cannot
+    be loaded (no hub, nothing cached)."""
+    tokenizer = prepare_tokenizer(build_char_tokenizer())
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        gpt2_124m_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    )
+    return model, tokenizer
+
+
 def gpu_policy(cache_dir: Path = GPU_CACHE, pretrained: str = "gpt2"):
     """GPT-2 124M warm-started on the task, built once and cached in `cache_dir`."""
     if (cache_dir / "config.json").is_file():
         return load_local(cache_dir)
-    loaded = load_pretrained_gpt2(pretrained)
-    if loaded is None:
-        tokenizer = prepare_tokenizer(build_char_tokenizer())
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(
-            gpt2_124m_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
-        )
-    else:
-        model, tokenizer = loaded
+    model, tokenizer = load_pretrained_gpt2(pretrained) or offline_gpt2_124m()
     if torch.cuda.is_available():
         model.cuda()
-    warm_start(model, tokenizer, lr=1e-4)
+    warm_start(model, tokenizer, lr=GPU_WARM_START_LR)
     cache_dir.mkdir(parents=True, exist_ok=True)
     model.cpu().save_pretrained(cache_dir)
     tokenizer.save_pretrained(cache_dir)

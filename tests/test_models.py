@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from grpo_lab.config import ConfigError, preset
+from grpo_lab.config import ConfigError, preset, resolve_profile
 from grpo_lab.course.steps import new_run
 from grpo_lab.models import (
     TINY_MODEL_DIR,
@@ -13,7 +13,6 @@ from grpo_lab.models import (
     load_pretrained_gpt2,
     requested_device,
     resolve_device,
-    resolve_profile,
 )
 from grpo_lab.objective import completion_logprobs
 from grpo_lab.policy import load_policy

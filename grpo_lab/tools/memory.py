@@ -63,9 +63,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import PROFILE_MODELS, ConfigError, GRPOConfig
+from ..config import PROFILE_MODELS, ConfigError, GRPOConfig, resolve_profile
 from ..memo import once_per_session
-from ..models import resolve_device, resolve_profile
+from ..models import resolve_device
 from ..policy import load_policy
 from ..trainer import Trainer
 from .parser import Parser, UsageError

@@ -2,7 +2,7 @@
 as nbval starts it (`python -m ipykernel_launcher`), and forked from the test suite's warm
 server (tests/warm_kernels.py, as the root conftest.py uses it on Linux).
 
-    python benchmarks/kernels.py [NOTEBOOK ...] [--repeat 3]
+    python benchmarks/kernel_start.py [NOTEBOOK ...] [--repeat 3]
 
 For each notebook (default: every solution), a kernel is started each way in the
 notebook's folder, runs the notebook's first code cell, and reports its own user + system
