@@ -1,10 +1,22 @@
-"""`python -m grpo_lab build-model`: regenerate the shipped tiny GPT-2 deterministically
-(same torch version -> same weights): one CPU thread, fixed seeds, fixed data order, and
-the warm start of `grpo_lab.policy`.
+"""`python -m grpo_lab build-model`: regenerate the shipped tiny GPT-2 with one CPU thread,
+fixed seeds, a fixed data order and the warm start of `grpo_lab.policy`, and write
+`build.json` beside it: the build's summary and the platform it ran on.
+
+Deterministic on one platform: the same torch on the same CPU kernels gives the same weights,
+bit for bit. Across platforms it is not. torch picks its CPU kernels by instruction set
+(ATen's AVX2/AVX-512 paths, MKL's and oneDNN's dispatch), they round differently, and the
+warm start's hundreds of AdamW steps amplify that: on one AVX-512 machine, four kernel
+settings stopped after 550, 625, 700 and 750 steps, every tensor different (max |diff| about
+0.2, the weights' own scale), all at dev accuracy 0.43 to 0.46 (benchmarks/RESULTS.md,
+"Kernels"). So a rebuild is compared bit for bit only where `platform_record()` equals the
+one in build.json, and by behaviour elsewhere (tests/test_warmstart.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -18,16 +30,67 @@ from ..models import (
 )
 from ..policy import warm_start
 
+BUILD_RECORD = "build.json"
+# the variables that change which CPU kernels torch runs (ATen, oneDNN, MKL)
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
 
-def build_tiny_model(out_dir: Path = TINY_MODEL_DIR, log=print) -> dict:
-    """Regenerate the shipped tiny GPT-2 (deterministic on one CPU thread)."""
+
+def _cpu_flags() -> list[str] | None:
+    """The instruction-set flags kernels dispatch on (Linux: /proc/cpuinfo), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(f for f in flags if f.startswith(
+                        ("avx", "amx", "fma", "f16c", "sse", "asimd", "sve", "fp", "bf16")))
+    except OSError:
+        pass
+    return None
+
+
+def platform_record() -> dict:
+    """What decides the CPU kernels a build runs: two builds with equal records run the same
+    kernels in the same order (one thread), so their weights are equal bit for bit."""
+    return {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "processor_vendor": _cpu_vendor(),
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl": torch.backends.mkl.is_available(),
+        "cpu_flags": _cpu_flags(),
+        "kernel_env": {name: os.environ[name] for name in KERNEL_ENV if name in os.environ},
+    }
+
+
+def _cpu_vendor() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("vendor_id", "CPU implementer")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def read_build_record(model_dir: Path = TINY_MODEL_DIR) -> dict:
+    """build.json of a built model: {"platform": record or None, "summary": {...}}."""
+    return json.loads((Path(model_dir) / BUILD_RECORD).read_text())
+
+
+def build_tiny_model(out_dir: Path = TINY_MODEL_DIR, log=print, **warm_start_args) -> dict:
+    """Regenerate the shipped tiny GPT-2 (deterministic on one platform, one CPU thread)
+    and write its build record. `warm_start_args` go to `policy.warm_start` (tests build
+    short)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         tokenizer = build_char_tokenizer()
         torch.manual_seed(0)
         model = GPT2LMHeadModel(tiny_gpt2_config(len(tokenizer)))
-        summary = warm_start(model, tokenizer, log=log)
+        summary = warm_start(model, tokenizer, log=log, **warm_start_args)
     finally:
         torch.set_num_threads(threads)
     out_dir = Path(out_dir)
@@ -35,5 +98,8 @@ def build_tiny_model(out_dir: Path = TINY_MODEL_DIR, log=print) -> dict:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     summary["parameters"] = count_parameters(model)
+    record = {"platform": platform_record(),
+              "summary": {k: v for k, v in summary.items() if k != "seconds"}}
+    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     log(f"[warm start] saved {summary['parameters']:,} parameters to {out_dir}: {summary}")
     return summary
