@@ -31,6 +31,7 @@ for i, case in enumerate(cases):
         torch.save({
             "weights_match": torch.allclose(weights, share.weights, rtol=1e-6, atol=1e-9),
             "loss": loss.item(),
+            "grad_norm": trainer.last_grad_norm,  # before clipping: the global batch's norm
             "grads": {n: p.grad.clone() for n, p in trainer.policy.named_parameters()},
             "params": {n: p.detach().clone() for n, p in trainer.policy.named_parameters()},
         }, f"{out_dir}/case{i}.pt")

@@ -1,0 +1,53 @@
+"""How far two float32 computations of the same quantity may differ: the bounds the tests
+and notebooks compare with where the two sides do not run the same kernels in the same
+order (another batch split, process count, thread count or CPU instruction set).
+
+Where both sides do run the same kernels in the same order, nothing here is needed: they
+agree bit for bit, and the comparison is `torch.equal`.
+
+A sum of n float32 terms computed in any order is off from the exact sum by at most
+gamma_n * sum|x_i| (Higham, "Accuracy and Stability of Numerical Algorithms", 2002, eq. 4.4,
+gamma_n = n u / (1 - n u)). That worst case assumes every rounding error has the same sign;
+the errors of real sums are independent enough that Higham & Mary (2019, "A New Approach to
+Probabilistic Rounding Error Analysis", Theorem 3.1) bound it by
+
+    gamma~_n(lambda) = exp(lambda sqrt(n) u + n u^2 / (1 - u)) - 1 ~= lambda sqrt(n) u
+
+times sum|x_i|, with probability at least 1 - 2 n exp(-lambda^2 (1 - u)^2 / 2) for each
+computed sum (their Theorem 3.1, inner products; a sum is one with y = 1). At LAMBDA = 9
+that failure probability is 5e-18 n: for sums of a few thousand terms, over the tiny
+model's 0.8 million gradient entries, about one false alarm in sixty million comparisons of
+whole gradients. Two computations of one sum, each within gamma~_n of the exact value, are
+within 2 gamma~_n sum|x_i| of each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+UNIT_ROUNDOFF = 2.0**-24  # float32: half the distance from 1 to the next float
+LAMBDA = 9.0
+
+
+def sum_error_bound(n: int, unit_roundoff: float = UNIT_ROUNDOFF, lam: float = LAMBDA) -> float:
+    """gamma~_n(lambda): relative to sum|x_i|, how far a computed sum of n terms may be from
+    the exact one (Higham & Mary 2019, probabilistic; see the module docstring)."""
+    u = unit_roundoff
+    return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
+
+
+def adamw_first_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                     **adamw_args) -> dict[str, torch.Tensor]:
+    """The parameters after one AdamW step from `params` with gradients `grads`, run by
+    the trainer's own optimizer construction: what an update must equal bit for bit when
+    it consumed those gradients (elementwise kernels, no reduction: the same bits on any
+    thread count)."""
+    from .fast import fused_adamw
+
+    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    for name, leaf in leaves.items():
+        leaf.grad = grads[name].clone()
+    fused_adamw(list(leaves.values()), torch.device("cpu"), **adamw_args).step()
+    return {n: p.detach() for n, p in leaves.items()}
