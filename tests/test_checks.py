@@ -14,6 +14,8 @@ from grpo_lab.sampling import completion_mask_from_ids
 from grpo_lab.tasks import addition_reward
 from grpo_lab.trainer import micro_batch_slices
 
+pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
+
 REFERENCES = {
     checks.check_count_parameters: count_parameters,
     checks.check_position_ids_from_mask: objective.position_ids_from_mask,

@@ -69,6 +69,7 @@ def distance(a: dict, b: dict) -> float:
     return math.sqrt(sum(((a[n].double() - b[n].double()) ** 2).sum().item() for n in a))
 
 
+@pytest.mark.numerics
 def test_two_process_update_equals_one_process_on_the_same_global_batch(tmp_path):
     """Two ranks sum their rows' gradients in another order than one process does (and
     run half-size batches, which may pick other GEMM blocking), so the two float32

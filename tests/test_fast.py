@@ -10,6 +10,8 @@ from grpo_lab.fast import fuse_gelu, fused_adamw, keep_fused, shared_prompt_logi
 from grpo_lab.objective import completion_logits
 from grpo_lab.sampling import sample_group
 
+pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
+
 
 @pytest.mark.parametrize("rows", [slice(None), slice(1, 10)], ids=["groups", "split-groups"])
 def test_shared_prompt_forward_equals_the_full_one(tiny, rows):

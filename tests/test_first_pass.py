@@ -11,6 +11,8 @@ import torch
 from grpo_lab.config import GRPOConfig
 from grpo_lab.trainer import Trainer
 
+pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
+
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=5, eval_every=0, eval_size=1,
              steps=1)
 

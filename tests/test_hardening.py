@@ -31,6 +31,7 @@ def _params(model) -> torch.Tensor:
 
 
 # --- the references against Trainer --------------------------------------------------------------
+@pytest.mark.numerics
 def test_reference_health_check_rolls_back_as_the_trainer_does():
     """The fault injector's NaN weight at step 7 of 8, a snapshot every 3 steps: the learner's
     reference trainer (with healthy_update around guarded_update) and Trainer(fast=False) roll
@@ -55,6 +56,7 @@ def test_reference_health_check_rolls_back_as_the_trainer_does():
     assert (_params(trainer.policy) - _params(run.policy)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.numerics
 def test_reference_accumulated_step_is_the_trainers_accumulation():
     cfg = preset("stable", steps=1, eval_size=8, grad_accum_steps=4, loss_type="dapo")
     trainer = Trainer(cfg, fast=False)
@@ -89,6 +91,7 @@ def _tokens_per_micro_batch(seed: int, k: int) -> list[int]:
     return [int(r.completion_mask[s].sum()) for s in micro_batch_slices(len(r.completions), k)]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_accumulated_gradient_is_the_full_batch_gradient(loss_type):
     """Micro-batches of unequal rows and equal tokens (k = 3: 6, 5, 5 rows, 20 tokens each),
@@ -143,6 +146,7 @@ def test_each_known_mistake_is_caught_and_named(exercise, mistake):
     assert catalog[mistake] in result.reason, result.reason
 
 
+@pytest.mark.numerics
 def test_a_whole_batch_forward_is_not_accumulation():
     """grpo_step computes the right update in one forward of all rows: exact, but not
     accumulation (it holds every row's activations at once)."""
@@ -150,6 +154,7 @@ def test_a_whole_batch_forward_is_not_accumulation():
     assert result.status == "failed" and "on [16] rows at once" in result.reason, result.reason
 
 
+@pytest.mark.numerics
 def test_metrics_of_an_accumulated_step_are_the_whole_batchs():
     def last_kl(run, problems, loss_fn, update_fn=steps.apply_update, sample_fn=None):
         def loss(*args):

@@ -105,10 +105,20 @@ CASES = [
 ]
 
 
+# stopped by Landlock alone: without it a worker may write wherever its user may (these are
+# then not submitted at all, so nothing lands in the checkout or /tmp)
+NEEDS_LANDLOCK = {"writes a fake verdict into the grader's journal", "writes into the package"}
+NO_LANDLOCK = "no Landlock on this machine: only Landlock keeps a worker's writes in its folder"
+
+
+def submitted(case) -> bool:
+    return case[1] not in NEEDS_LANDLOCK or sandbox.landlock_abi() > 0
+
+
 def submissions() -> list[dict[str, tuple]]:
     """CASES packed into submissions, one case per exercise each."""
     out: list[dict[str, tuple]] = []
-    for case in CASES:
+    for case in filter(submitted, CASES):
         exercise = case[2]
         slot = next((s for s in out if exercise not in s), None)
         if slot is None:
@@ -154,6 +164,8 @@ def graded(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}: {c[1]}" for c in CASES])
 def test_each_hostile_submission_gets_its_grade_and_reason(graded, case):
     kind, what, exercise, _, status, phrase = case
+    if not submitted(case):
+        pytest.skip(NO_LANDLOCK)
     r = graded[id(case)]
     assert (r.status, r.points) == (status, r.max_points if status == "passed" else 0), r
     assert phrase in r.reason, r.reason
@@ -161,7 +173,7 @@ def test_each_hostile_submission_gets_its_grade_and_reason(graded, case):
 
 def test_nothing_was_written_outside_the_sandbox(graded):
     if not sandbox.landlock_abi():
-        pytest.skip("no Landlock on this machine")
+        pytest.skip(NO_LANDLOCK)
     assert not (ROOT / "grpo_lab" / "PWNED").exists()
 
 

@@ -106,6 +106,12 @@ def _alive(marker: str) -> list[int]:
 # fork=False: a fresh `python -I` per worker, what a machine without the zygote gets
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "exec"])
 def test_processes_it_starts_die_with_it_even_setsid(pkg, fork):
+    if not sandbox.userns_available():
+        pytest.skip("no PID namespace here (unprivileged user namespaces unavailable): a "
+                    "setsid'd grandchild leaves the worker's process group, and only the "
+                    "namespace's end reaches it")
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc to look for the survivors in")
     src = ("import subprocess\n"
            "for _ in range(5):\n"
            "    subprocess.Popen(['sleep', '987651'], start_new_session=True)\n"
@@ -121,12 +127,30 @@ def test_processes_it_starts_die_with_it_even_setsid(pkg, fork):
     assert _alive("987651") == []
 
 
+def _signal_scoped() -> bool:
+    return sandbox.userns_available() or sandbox.landlock_abi() >= 6
+
+
+NO_SIGNAL_SCOPE = ("neither a PID namespace nor Landlock signal scoping on this machine: the "
+                   "worker's signal would reach the test run itself")
+
+
 def test_it_cannot_signal_the_grader(pkg):
-    src = f"import os, signal\nos.kill({os.getpid()}, signal.SIGSTOP)\ndef f():\n    return 1"
-    with sandbox.Worker(pkg, LIMITS) as w:
-        head = define(w, src)
-    # refused (Landlock scope) or a pid in another namespace: either way the grader runs on
-    assert "error" in head or head.get("ok")
+    if not _signal_scoped():
+        pytest.skip(NO_SIGNAL_SCOPE)
+    canary = subprocess.Popen(["sleep", "987652"])  # the grader's user, outside the sandbox
+    try:
+        src = (f"import os, signal\nos.kill({canary.pid}, signal.SIGSTOP)\n"
+               "def f():\n    return 1")
+        with sandbox.Worker(pkg, LIMITS) as w:
+            head = define(w, src)
+        # refused (Landlock scope) or no such pid in its namespace: the cell fails to load
+        assert head["error"]["type"] in ("PermissionError", "ProcessLookupError"), head
+        pid, status = os.waitpid(canary.pid, os.WNOHANG | os.WUNTRACED)
+        assert pid == 0, f"the canary was stopped or died (status {status})"
+    finally:
+        canary.kill()
+        canary.wait()
 
 
 @pytest.mark.parametrize("body, why, fork", [
@@ -195,21 +219,29 @@ def test_a_worker_starts_clean_in_its_own_namespaces(pkg, fork):
         home = str(w.folder / "work")
     # forked or exec'd: the same process in the same sandbox
     assert seen["cwd"] == seen["tmp"] == seen["home"] == home
-    # (the exec'd worker's sh adds PWD: its folder)
-    assert set(seen["env"]) - {"PWD"} == {*sandbox.WORKER_ENV, "HOME", "TMPDIR"}
+    # (the exec'd worker's sh adds PWD, its folder; where sh is bash, SHLVL and _ too)
+    assert set(seen["env"]) - {"PWD", "SHLVL", "_"} == {*sandbox.WORKER_ENV, "HOME", "TMPDIR"}
     assert seen["memory"] == LIMITS.memory_mb << 20
     assert seen["grpo_lab"] == []  # nothing of the grader's package before the cell imports it
     assert len(seen["fds"]) == 5, seen["fds"]  # stdin, the output file twice, its two pipes
-    if sandbox.userns_available():
-        # root of its own user namespace, second process of its own PID namespace, no network
-        assert (seen["pid"], seen["parent"], seen["uid"]) == (2, 1, 0), seen
-        assert seen["networks"] == ["lo"]
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "exec"])
+def test_a_worker_has_its_own_user_pid_and_network_namespaces(pkg, fork):
+    if not sandbox.userns_available():
+        pytest.skip("no unprivileged user namespaces on this machine (`unshare -U -r -p -n` "
+                    "fails): the worker runs in the grader's namespaces")
+    with sandbox.Worker(pkg, LIMITS, fork=fork) as w:
+        assert define(w, WHERE_AM_I, prelude="")["ok"]
+        seen = sandbox.RemoteFunction(w, "f")()
+    # root of its own user namespace, second process of its own PID namespace, no network
+    assert (seen["pid"], seen["parent"], seen["uid"]) == (2, 1, 0), seen
+    assert seen["networks"] == ["lo"]
 
 
 def test_a_worker_that_kills_every_process_it_can_hurts_only_itself(pkg):
-    if not (sandbox.userns_available() or sandbox.landlock_abi() >= 6):
-        pytest.skip("neither a PID namespace nor Landlock signal scoping on this machine: "
-                    "kill(-1) would reach the test run itself")
+    if not _signal_scoped():
+        pytest.skip(NO_SIGNAL_SCOPE)
     canary = subprocess.Popen(["sleep", "987653"])  # the grader's user, outside the sandbox
     try:
         with sandbox.Worker(pkg, LIMITS) as w:

@@ -24,6 +24,7 @@ def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.numerics
 def test_reference_step_is_the_trainer_step_bit_for_bit():
     """Same seed, same batch: one update of the reference step equals Trainer(fast=False)'s,
     and so do eight steps' metrics (the Trainer's fast path only changes rounding)."""

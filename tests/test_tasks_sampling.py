@@ -21,6 +21,8 @@ from grpo_lab.tasks import (
     eval_problems,
 )
 
+pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
+
 
 def test_eval_set_is_fixed_and_held_out():
     a, b = eval_problems(256), eval_problems(256)

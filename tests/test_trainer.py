@@ -14,6 +14,8 @@ from grpo_lab.objective import completion_logprobs
 from grpo_lab.sampling import sample_group
 from grpo_lab.trainer import Trainer, micro_batch_slices, read_metrics, without_timing
 
+pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
+
 
 def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

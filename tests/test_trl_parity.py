@@ -28,6 +28,8 @@ from grpo_lab.policy import load_policy
 from grpo_lab.sampling import Rollout
 from grpo_lab.trainer import StepBatch, Trainer
 
+pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
+
 TEMPERATURE = 0.7  # != 1 so both sides must scale the logits the same way
 EPS_LOW, EPS_HIGH = 0.2, 0.28  # asymmetric (DAPO's clip-higher): each bound is checked
 MAX_NEW_TOKENS = 5  # C; also dr_grpo's constant (TRL: max_completion_length)

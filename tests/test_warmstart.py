@@ -64,6 +64,7 @@ def short_build(tmp_path_factory):
     return folder
 
 
+@pytest.mark.numerics
 def test_build_is_bit_exact_on_one_platform(short_build, tmp_path):
     """A second build here gives the same bits and record: the exact branch of
     compare_builds holds, and catches one weight moved by one ulp."""
@@ -80,6 +81,7 @@ def test_build_is_bit_exact_on_one_platform(short_build, tmp_path):
         compare_builds(tmp_path, short_build)
 
 
+@pytest.mark.numerics
 def test_a_record_from_another_platform_is_compared_by_behaviour(short_build, tmp_path):
     record = read_build_record(short_build)
     elsewhere = dict(record, platform={**record["platform"], "aten_cpu_capability": "OTHER"})

@@ -83,12 +83,13 @@ def ci_workflow() -> dict:
     return doc
 
 
-def test_ci_runs_on_push_and_pull_request_on_linux_and_macos():
+def test_ci_runs_on_push_and_pull_request_on_linux_x86_and_arm_and_macos():
     doc = ci_workflow()
     assert {"push", "pull_request"} <= set(doc["on"])
     (job,) = doc["jobs"].values()
     assert job["runs-on"] == "${{ matrix.os }}"
-    assert set(job["strategy"]["matrix"]["os"]) == {"ubuntu-latest", "macos-latest"}
+    assert set(job["strategy"]["matrix"]["os"]) == {"ubuntu-latest", "ubuntu-24.04-arm",
+                                                   "macos-latest"}
     python = [s for s in job["steps"] if s.get("uses", "").startswith("actions/setup-python@")]
     assert [s["with"]["python-version"] for s in python] == ["3.11"]
 
@@ -122,6 +123,7 @@ def test_ci_caches_venv_keyed_on_pyproject_torch_and_os(tmp_path):
 
 @pytest.mark.parametrize("os_name, index", [
     ("ubuntu-latest", "https://download.pytorch.org/whl/cpu"),
+    ("ubuntu-24.04-arm", "https://download.pytorch.org/whl/cpu"),
     ("macos-latest", ""),
 ])
 def test_ci_takes_the_cpu_torch_build_on_linux(os_name, index):

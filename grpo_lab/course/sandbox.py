@@ -311,8 +311,10 @@ class Worker:
         cpu = int(limits.submission_s) + 5
         rlimits = {"RLIMIT_AS": (limits.memory_mb << 20,) * 2,
                    "RLIMIT_FSIZE": (limits.output_bytes,) * 2,
-                   "RLIMIT_CPU": (cpu, cpu + 5), "RLIMIT_CORE": (0, 0),
-                   "RLIMIT_NPROC": (_user_processes() + limits.processes,) * 2}
+                   "RLIMIT_CPU": (cpu, cpu + 5), "RLIMIT_CORE": (0, 0)}
+        running = _user_processes()
+        if running is not None:  # a limit set blind could stop the worker's own forks
+            rlimits["RLIMIT_NPROC"] = (running + limits.processes,) * 2
         env = {**WORKER_ENV, "HOME": str(home), "TMPDIR": str(home)}
         worker_file = self.pkg_root / "grpo_lab" / "course" / "_worker.py"
         zygote = _zygote(limits.startup_s) if self.fork else None
@@ -530,15 +532,26 @@ def _write_all(fd: int, data: bytes, timeout: float) -> None:
             view = view[os.write(fd, view[: 1 << 16]):]
 
 
-def _user_processes() -> int:
+def _user_processes() -> int | None:
+    """What RLIMIT_NPROC counts against this user now: on Linux its tasks (threads
+    included: a non-root desktop session or CI runner has hundreds, which a count of
+    processes alone would leave the sandbox no room above), elsewhere its processes (`ps`);
+    None where neither can be counted."""
     uid = os.getuid()
-    n = 0
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            with _quiet():
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    n += 1
-    return n
+    if os.path.isdir("/proc/self/task"):
+        n = 0
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with _quiet():
+                    if os.stat(f"/proc/{entry}").st_uid == uid:
+                        n += len(os.listdir(f"/proc/{entry}/task"))
+        return n
+    try:  # macOS, BSDs: RLIMIT_NPROC counts processes
+        out = subprocess.run(["ps", "-x", "-U", str(uid), "-o", "pid="], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return len(out.stdout.split()) if out.returncode == 0 else None
 
 
 class _quiet:
