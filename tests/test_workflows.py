@@ -102,6 +102,16 @@ def test_ci_runs_the_readme_test_command_exactly():
     assert "CI" not in job.get("env", {}) or job["env"]["CI"] == "true"
 
 
+def test_ci_runs_the_numerics_tests_under_other_kernels_on_linux_x86():
+    (job,) = ci_workflow()["jobs"].values()
+    (step,) = [s for s in job["steps"] if s.get("run", "").strip() == ".ci/kernels"]
+    assert "runner.os == 'Linux'" in step["if"] and "runner.arch == 'X64'" in step["if"]
+    # before the suite, as .ci/run does
+    runs = [s.get("run", "").strip() for s in job["steps"]]
+    assert runs.index(".ci/kernels") < runs.index(readme_test_command())
+    assert ".ci/kernels" in (ROOT / ".ci" / "run").read_text()
+
+
 def test_ci_caches_venv_keyed_on_pyproject_torch_and_os(tmp_path):
     (job,) = ci_workflow()["jobs"].values()
     caches = [s for s in job["steps"] if s.get("uses", "").startswith("actions/cache@")]
