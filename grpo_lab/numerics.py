@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from .fast import fused_adamw
+
 UNIT_ROUNDOFF = 2.0**-24  # float32: half the distance from 1 to the next float
 LAMBDA = 9.0
 
@@ -44,8 +46,6 @@ def adamw_first_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Ten
     the trainer's own optimizer construction: what an update must equal bit for bit when
     it consumed those gradients (elementwise kernels, no reduction: the same bits on any
     thread count)."""
-    from .fast import fused_adamw
-
     leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
     for name, leaf in leaves.items():
         leaf.grad = grads[name].clone()

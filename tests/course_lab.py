@@ -57,8 +57,14 @@ def learner_env(home: Path) -> dict[str, str]:
 
 
 def processes_using(path: Path) -> list[str]:
-    """Processes (other than this one) whose command line or working directory is under path."""
+    """Processes (other than this one) whose command line or working directory is under path
+    (without /proc, as on macOS: whose command line is, from `ps`)."""
     found = []
+    if not Path("/proc/self").is_dir():
+        out = subprocess.run(["ps", "-axo", "pid=,command="], capture_output=True, text=True,
+                             timeout=30).stdout
+        return [line.strip() for line in out.splitlines() if str(path) in line
+                and line.split(None, 1)[0] != str(os.getpid())]
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
