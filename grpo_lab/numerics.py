@@ -15,10 +15,11 @@ Probabilistic Rounding Error Analysis", Theorem 3.1) bound it by
 
 times sum|x_i|, with probability at least 1 - 2 n exp(-lambda^2 (1 - u)^2 / 2) for each
 computed sum (their Theorem 3.1, inner products; a sum is one with y = 1). At LAMBDA = 9
-that failure probability is 5e-18 n: for sums of a few thousand terms, over the tiny
-model's 0.8 million gradient entries, about one false alarm in sixty million comparisons of
-whole gradients. Two computations of one sum, each within gamma~_n of the exact value, are
-within 2 gamma~_n sum|x_i| of each other.
+that failure probability is 5e-18 n per sum: for a million sums of a million terms each,
+about one false alarm in two hundred thousand checks. Two computations of one sum, each
+within gamma~_n of the exact value, are within 2 gamma~_n sum|x_i| of each other. The
+model assumes independent, mean-zero rounding errors; sums of same-sign terms of similar
+size (a sum of squares) are where it is weakest, so use it there with room to spare.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ and the grader checks whole steps inside its sandbox."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from functools import partial
 from pathlib import Path
@@ -79,7 +80,6 @@ def test_a_guarded_update_that_reduces_the_norm_its_own_way_passes():
     """The learner's grad norm need not be the reference's to the bit: one flat vector's
     norm rounds differently from the norm of per-tensor norms (check_guarded_update
     compares the recorded norms within numerics.sum_error_bound)."""
-    import math
 
     def guarded_update(run):
         cfg = run.cfg

@@ -102,10 +102,10 @@ def test_ci_runs_the_readme_test_command_exactly():
     assert "CI" not in job.get("env", {}) or job["env"]["CI"] == "true"
 
 
-def test_ci_runs_the_numerics_tests_under_other_kernels_on_linux_x86():
+def test_ci_runs_the_numerics_tests_under_other_kernels_on_linux():
     (job,) = ci_workflow()["jobs"].values()
     (step,) = [s for s in job["steps"] if s.get("run", "").strip() == ".ci/kernels"]
-    assert "runner.os == 'Linux'" in step["if"] and "runner.arch == 'X64'" in step["if"]
+    assert step["if"] == "runner.os == 'Linux'"
     # before the suite, as .ci/run does
     runs = [s.get("run", "").strip() for s in job["steps"]]
     assert runs.index(".ci/kernels") < runs.index(readme_test_command())

@@ -538,13 +538,14 @@ def _user_processes() -> int | None:
     processes alone would leave the sandbox no room above), elsewhere its processes (`ps`);
     None where neither can be counted."""
     uid = os.getuid()
-    if os.path.isdir("/proc/self/task"):
+    if os.path.isfile("/proc/self/status"):
         n = 0
         for entry in os.listdir("/proc"):
             if entry.isdigit():
-                with _quiet():
-                    if os.stat(f"/proc/{entry}").st_uid == uid:
-                        n += len(os.listdir(f"/proc/{entry}/task"))
+                with _quiet(), open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                    if int(fields["Uid"].split()[0]) == uid:  # the real uid, as the limit
+                        n += int(fields["Threads"])
         return n
     try:  # macOS, BSDs: RLIMIT_NPROC counts processes
         out = subprocess.run(["ps", "-x", "-U", str(uid), "-o", "pid="], capture_output=True,

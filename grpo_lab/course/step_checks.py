@@ -696,7 +696,9 @@ GUARD_MISTAKES = {
 
 # A gradient norm is sqrt(sum g^2) over the driver's ~0.8M entries, and a learner may reduce
 # them in another order (torch.cat(...).norm(), a per-tensor loop): both are within
-# gamma~_n(1e6) of the exact sum of squares (positive terms), and the root halves that
+# gamma~_n of the exact sum of squares, and the root halves that. n = 1e6 above 0.8M leaves
+# room for the probabilistic bound's weak spot, sums of same-sign terms (numerics module);
+# a wrong norm (one tensor's, the clipped one, the max) is off by far more.
 NORM_REL_TOL = sum_error_bound(10**6)
 
 

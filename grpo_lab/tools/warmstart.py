@@ -35,44 +35,44 @@ BUILD_RECORD = "build.json"
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
 
 
-def _cpu_flags() -> list[str] | None:
-    """The instruction-set flags kernels dispatch on (Linux: /proc/cpuinfo), else None."""
+def _cpuinfo() -> tuple[str | None, list[str] | None]:
+    """(vendor, the instruction-set flags kernels dispatch on) from Linux's /proc/cpuinfo;
+    elsewhere (vendor from `platform`, None)."""
+    vendor, flags = None, None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(f for f in flags if f.startswith(
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "CPU implementer") and vendor is None:
+                    vendor = value.strip()
+                elif key in ("flags", "Features") and flags is None:
+                    flags = sorted(f for f in value.split() if f.startswith(
                         ("avx", "amx", "fma", "f16c", "sse", "asimd", "sve", "fp", "bf16")))
     except OSError:
-        pass
-    return None
+        return platform.processor() or None, None
+    return vendor, flags
 
 
 def platform_record() -> dict:
-    """What decides the CPU kernels a build runs: two builds with equal records run the same
-    kernels in the same order (one thread), so their weights are equal bit for bit."""
+    """What decides the kernels a build runs: two builds with equal records run the same
+    code (torch, transformers' GPT-2) on the same CPU kernels in the same order (one
+    thread), so their weights are equal bit for bit. Where the CPU flags cannot be read
+    (None), equal records are a weaker promise."""
+    import transformers
+
+    vendor, flags = _cpuinfo()
     return {
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "machine": platform.machine(),
         "system": platform.system(),
-        "processor_vendor": _cpu_vendor(),
+        "processor_vendor": vendor,
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl": torch.backends.mkl.is_available(),
-        "cpu_flags": _cpu_flags(),
+        "cpu_flags": flags,
         "kernel_env": {name: os.environ[name] for name in KERNEL_ENV if name in os.environ},
     }
-
-
-def _cpu_vendor() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("vendor_id", "CPU implementer")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def read_build_record(model_dir: Path = TINY_MODEL_DIR) -> dict:
