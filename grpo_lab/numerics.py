@@ -1,5 +1,5 @@
 """How far two float32 computations of the same quantity may differ: the bounds the tests
-and notebooks compare with where the two sides do not run the same kernels in the same
+and the checkers compare with where the two sides do not run the same kernels in the same
 order (another batch split, process count, thread count or CPU instruction set).
 
 Where both sides do run the same kernels in the same order, nothing here is needed: they
