@@ -209,15 +209,23 @@ def f():
 """
 
 
+_WHERE = {}  # fork -> (what the worker saw, whether it was forked, its home): one worker each
+
+
+def where_am_i(pkg, fork: bool) -> tuple[dict, bool, str]:
+    if fork not in _WHERE:
+        with sandbox.Worker(pkg, LIMITS, fork=fork) as w:
+            assert define(w, WHERE_AM_I, prelude="")["ok"]
+            _WHERE[fork] = (sandbox.RemoteFunction(w, "f")(),
+                            isinstance(w.proc, sandbox._Forked), str(w.folder / "work"))
+    return _WHERE[fork]
+
+
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "exec"])
-def test_a_worker_starts_clean_in_its_own_namespaces(pkg, fork):
-    with sandbox.Worker(pkg, LIMITS, fork=fork) as w:
-        assert define(w, WHERE_AM_I, prelude="")["ok"]
-        seen = sandbox.RemoteFunction(w, "f")()
-        # forked where the machine has the zygote (Linux with user namespaces), else exec'd
-        forked = isinstance(w.proc, sandbox._Forked)
-        assert forked == (fork and _has_zygote())
-        home = str(w.folder / "work")
+def test_a_worker_starts_clean(pkg, fork):
+    seen, forked, home = where_am_i(pkg, fork)
+    # forked where the machine has the zygote (Linux with user namespaces), else exec'd
+    assert forked == (fork and _has_zygote())
     # forked or exec'd: the same process in the same sandbox
     assert seen["cwd"] == seen["tmp"] == seen["home"] == home
     # (the exec'd worker's sh adds PWD, its folder; where sh is bash, SHLVL and _ too)
@@ -233,9 +241,7 @@ def test_a_worker_has_its_own_user_pid_and_network_namespaces(pkg, fork):
     if not sandbox.userns_available():
         pytest.skip("no unprivileged user namespaces on this machine (`unshare -U -r -p -n` "
                     "fails): the worker runs in the grader's namespaces")
-    with sandbox.Worker(pkg, LIMITS, fork=fork) as w:
-        assert define(w, WHERE_AM_I, prelude="")["ok"]
-        seen = sandbox.RemoteFunction(w, "f")()
+    seen, _, _ = where_am_i(pkg, fork)
     # root of its own user namespace, second process of its own PID namespace, no network
     assert (seen["pid"], seen["parent"], seen["uid"]) == (2, 1, 0), seen
     assert seen["networks"] == ["lo"]
