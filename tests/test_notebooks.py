@@ -31,3 +31,22 @@ def test_no_stored_progress_bar_shows_its_starting_text():
                 if WIDGET_VIEW in output.get("data", {}) and " 0%|" in text:
                     stale.append(f"{path} cell {i}: {text}")
     assert not stale, "\n".join(stale)
+
+
+def test_no_control_characters_in_the_text():
+    """A LaTeX command written in a non-raw Python string loses its backslash: `\\b` in
+    `\\big` becomes a backspace, `\\a` in `\\approx` a bell, `\\t` in `\\text` a tab, and the
+    formula renders broken. No cell source or doc holds a control character (tabs
+    included; newlines are the only one allowed)."""
+    bad = []
+    texts = [(p, i, "".join(c["source"])) for p in sorted(glob.glob("solutions/*.ipynb"))
+             + sorted(glob.glob("labs/*.ipynb"))
+             for i, c in enumerate(nbformat.read(p, as_version=4).cells)]
+    texts += [(p, "-", open(p, encoding="utf-8", newline="").read())
+              for p in sorted(glob.glob("docs/**/*.md", recursive=True)) + ["README.md"]]
+    for path, cell, text in texts:
+        for n, line in enumerate(text.split("\n"), 1):  # not splitlines: it splits at \r
+            found = sorted({repr(ch) for ch in line if ord(ch) < 32 or ord(ch) == 127})
+            if found:
+                bad.append(f"{path} cell {cell} line {n}: {', '.join(found)} in {line[:60]!r}")
+    assert not bad, "\n".join(bad)

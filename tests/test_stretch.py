@@ -148,8 +148,8 @@ def _grad_by_backward(estimator, logits, ref_logits):
 
 
 def _kl_grads_swapped(logits, ref_logits):
-    forward, reverse = S.reference_kl_gradients(logits, ref_logits)
-    return reverse, forward
+    reverse, forward = S.reference_kl_gradients(logits, ref_logits)
+    return forward, reverse
 
 
 def _kl_grads_wrt_probs(logits, ref_logits):
@@ -313,11 +313,11 @@ def test_kl_gradients_match_their_closed_forms():
     for _ in range(5):
         z, w = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g,
                                                                              dtype=torch.float64)
-        forward, reverse = S.reference_kl_gradients(z.clone().requires_grad_(True), w)
+        reverse, forward = S.reference_kl_gradients(z.clone().requires_grad_(True), w)
         logp, logq = z.log_softmax(-1), w.log_softmax(-1)
         kl = (logp.exp() * (logp - logq)).sum()
-        assert torch.allclose(forward, logp.exp() * (logp - logq - kl), atol=1e-12)
-        assert torch.allclose(reverse, logp.exp() - logq.exp(), atol=1e-12)
+        assert torch.allclose(reverse, logp.exp() * (logp - logq - kl), atol=1e-12)
+        assert torch.allclose(forward, logp.exp() - logq.exp(), atol=1e-12)
 
 
 # --- the three measured facts of notebook 09, on random logits ------------------------------
@@ -327,16 +327,16 @@ def test_k1_k2_k3_expected_gradients(seed):
     z = torch.randn(8, generator=g) * (1 + seed)
     w = torch.randn(8, generator=g)
     leaf = z.clone().requires_grad_(True)
-    forward, reverse = S.reference_kl_gradients(leaf, w)
+    reverse, forward = S.reference_kl_gradients(leaf, w)
     grads = {name: S.reference_estimator_expected_gradient(k, leaf, w)
              for name, k in (("k1", objective.kl_k1), ("k2", objective.kl_k2),
                              ("k3", objective.kl_k3))}
     assert leaf.grad is None  # no .backward() on the caller's tensor
     assert grads["k1"].abs().max() < 1e-6  # k1: zero expected gradient
-    assert torch.allclose(grads["k2"], forward, atol=1e-6)  # k2: grad KL(p || q)
-    assert torch.allclose(grads["k3"], reverse, atol=1e-6)  # k3: grad KL(q || p)
+    assert torch.allclose(grads["k2"], reverse, atol=1e-6)  # k2: grad KL(p || q), reverse KL
+    assert torch.allclose(grads["k3"], forward, atol=1e-6)  # k3: grad KL(q || p), forward KL
     # and the two targets differ (the facts are not vacuous)
-    assert (forward - reverse).abs().max() > 1e-3
+    assert (reverse - forward).abs().max() > 1e-3
 
 
 def test_adaptive_beta_follows_trls_controller():

@@ -520,16 +520,17 @@ def reference_kl_gradients(logits: torch.Tensor,
                            ref_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(V,) logits (a leaf with requires_grad=True), (V,) fixed ref_logits -> the (V,)
     gradients with respect to the logits of KL(p || q) and of KL(q || p), exactly;
-    p = softmax(logits), q = softmax(ref_logits). In closed form: p * (log p - log q -
-    KL(p || q)) and p - q."""
+    p = softmax(logits), q = softmax(ref_logits). With p the policy, KL(p || q) is the
+    reverse KL and KL(q || p) the forward KL, as the RL literature names them. In closed
+    form: p * (log p - log q - KL(p || q)) and p - q."""
     theta = logits if logits.requires_grad else logits.detach().requires_grad_(True)
     logp = theta.log_softmax(-1)
     logq = ref_logits.detach().log_softmax(-1)
-    forward = (logp.exp() * (logp - logq)).sum()
-    reverse = (logq.exp() * (logq - logp)).sum()
-    (g_forward,) = torch.autograd.grad(forward, theta, retain_graph=True)
-    (g_reverse,) = torch.autograd.grad(reverse, theta)
-    return g_forward, g_reverse
+    reverse = (logp.exp() * (logp - logq)).sum()  # KL(p || q)
+    forward = (logq.exp() * (logq - logp)).sum()  # KL(q || p)
+    (g_reverse,) = torch.autograd.grad(reverse, theta, retain_graph=True)
+    (g_forward,) = torch.autograd.grad(forward, theta)
+    return g_reverse, g_forward
 
 
 def check_kl_gradients(fn: Callable) -> CheckResult:
