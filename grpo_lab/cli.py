@@ -142,6 +142,10 @@ def build_parser() -> Parser:
                        help="seconds all the steps of one submission may take together")
     grade.add_argument("--memory-mb", type=int, default=4096,
                        help="address-space limit of the process running a submission")
+    grade.add_argument("--hints", action="store_true",
+                       help="also count the hints each student opened (hint(\"name\") in the "
+                            "notebook, two tiers per exercise): a gradebook column and a line per "
+                            "exercise in the feedback; never part of a grade")
     labs = sub.add_parser("labs", help="generate labs/ from solutions/ (student versions)")
     labs.add_argument("--check", action="store_true", help="exit 1 when labs/ is out of sync")
     labs.add_argument("--root", default=None,
@@ -425,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return grade(args.notebooks, args.json, args.csv, args.cell_timeout,
                          journal=args.journal, feedback=args.feedback,
-                         submission_timeout=args.submission_timeout, memory_mb=args.memory_mb)
+                         submission_timeout=args.submission_timeout, memory_mb=args.memory_mb,
+                         hints=args.hints)
         if args.command == "labs":
             from .course.labs import main as labs
 

@@ -12,19 +12,22 @@ import time
 
 import nbformat
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook
+from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from grpo_lab.course import grade, labs
 
 SETUP = "import torch"
 GOOD = '''def group_advantages(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
+    # Idea: compare each completion with its own group
+    # Hint: view(-1, group_size), then the mean and std of each row
     g = rewards.view(-1, group_size)
     c = g - g.mean(1, keepdim=True)
     return (c / (g.std(1, keepdim=True) + advantage_eps) if scale_rewards else c).reshape(-1)'''
 NO_EPS = GOOD.replace(" + advantage_eps", "")
 STUB = '''def group_advantages(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
     raise NotImplementedError("write this")'''
-GOOD_KL = "def kl_k3(logp, ref_logp):\n    r = ref_logp - logp\n    return r.exp() - r - 1"
+GOOD_KL = "def kl_k3(logp, ref_logp):\n    # Idea: k1 plus a zero-mean term\n    # Hint: r.exp() - r - 1\n" \
+    "    r = ref_logp - logp\n    return r.exp() - r - 1"
 CHECK_ADV = "from grpo_lab.course.checks import check_group_advantages\n" \
     "r1 = check_group_advantages(group_advantages)"
 CHECK_KL = "from grpo_lab.course.checks import check_kl_k3\nr2 = check_kl_k3(kl_k3)"
@@ -200,3 +203,28 @@ def test_a_grader_killed_mid_run_and_restarted_writes_byte_identical_results(tmp
         "student,group_advantages,rloo_advantages,zero_std_group_filter,total,max,stretch,"
         "stretch_max", "s1,1,0,0,1,3,0,2", "s2,0,0,0,0,3,0,2", "s3,0,0,0,0,3,0,2",
         "s4,1,0,0,1,3,0,2"]
+
+
+def test_the_gradebook_counts_the_hints_a_student_opened(tmp_path, solutions):
+    """--hints: the hint lines a submission's outputs hold, per exercise (the highest tier
+    opened), as a gradebook column and a line per exercise in the feedback; the grades do
+    not change. The feedback of an exercise that did not pass gives its idea (hint 1)."""
+    stuck = notebook(tmp_path / "s" / "sub.ipynb", SETUP, NO_EPS, CHECK_ADV, GOOD_KL, CHECK_KL)
+    nb = nbformat.read(stuck, as_version=4)
+    nb.cells[1].outputs = [new_output("stream", name="stdout", text=(
+        "💡 hint 1 of 2 for group_advantages, the idea: ...\n"
+        "💡 hint 2 of 2 for group_advantages, the shape of the code: ...\n"))]
+    nb.cells[3].outputs = [new_output("display_data", data={
+        "text/plain": "💡 hint 1 of 2 for kl_k3, the idea: ..."})]
+    nbformat.write(nb, stuck)
+    plain = notebook(tmp_path / "p" / "sub.ipynb", SETUP, GOOD, CHECK_ADV, GOOD_KL, CHECK_KL)
+    rows = run(tmp_path, [stuck, plain], csv=str(tmp_path / "g.csv"),
+               feedback=str(tmp_path / "fb"), hints=True)
+    assert [r["points"] for r in rows] == [0, 1, 1, 1]
+    assert (tmp_path / "g.csv").read_text().splitlines() == [
+        "student,group_advantages,kl_k3,total,max,hints_opened", "s,0,1,1,2,3", "p,1,1,2,2,0"]
+    feedback = (tmp_path / "fb" / "s.md").read_text()
+    assert "The idea: compare each completion with its own group" in feedback
+    assert "view(-1, group_size)" not in feedback  # the shape of the code is hint 2's
+    assert feedback.count("Hints opened: 2 of 2") == 1 and "Hints opened: 1 of 2" in feedback
+    assert grade.submission_hints(b"not a notebook") == {}

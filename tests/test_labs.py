@@ -8,21 +8,28 @@ import pytest
 from grpo_lab.course.labs import MarkerError, student_source
 
 SOLVED = '''def group_advantages(rewards, group_size):
-    """(B,) -> (B,)"""
+    """(B,) rewards -> (B,) advantages within each group.
+
+    More details."""
     ### BEGIN SOLUTION
+    # Idea: compare each completion with the others of its prompt
     # Hint: reshape to (B/G, G) and normalise each row
     g = rewards.view(-1, group_size)
     return ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).reshape(-1)
     ### END SOLUTION'''
 
 
-def test_solution_block_becomes_a_stub_with_the_hint():
+def test_solution_block_becomes_a_stub_that_says_what_to_do_not_how():
+    """The stub's message is the function's task (its docstring's first line) and where the
+    hints are; neither hint tier, and no code, is in the lab."""
     out = student_source(SOLVED)
-    assert "g.mean" not in out
+    assert "g.mean" not in out and "reshape" not in out and "compare each" not in out
     assert out.splitlines()[-1] == (
-        '    raise NotImplementedError("reshape to (B/G, G) and normalise each row")'
+        '    raise NotImplementedError("group_advantages: (B,) rewards -> (B,) advantages '
+        'within each group. Not written yet: its docstring has the details. Stuck? '
+        'hint(\'group_advantages\') gives the idea; a second call, the shape of the code.")'
     )
-    assert '"""(B,) -> (B,)"""' in out
+    assert '"""(B,) rewards -> (B,) advantages within each group.' in out
 
 
 def test_hidden_tests_are_removed():
@@ -66,3 +73,60 @@ def test_the_manifest_describes_each_exercise_for_the_grader():
              labs.load_manifest()["notebooks"]["03_the_grpo_objective.ipynb"]["exercises"]}
     assert tiers["kl_k3"] == "core" and tiers["dual_clip_surrogate"] == "stretch"
     assert labs.expected_exercises("nope.ipynb") is None
+
+
+def test_every_exercise_has_two_hint_tiers_and_no_lab_holds_them():
+    """Every exercise of the course has an idea (hint 1, words) and a hint (hint 2, the
+    shape of the code), different from each other; the labs hold neither (the stub points to
+    hint()), and an idea never quotes its own exercise's code hint."""
+    import glob
+
+    import nbformat
+
+    from grpo_lab.course import labs
+
+    lab_cells = {c.get("id"): c.source for p in glob.glob("labs/*.ipynb")
+                 for c in nbformat.read(p, as_version=4).cells}
+    exercises = [e for nb in labs.load_manifest()["notebooks"].values()
+                 for e in nb["exercises"]]
+    assert len(exercises) >= 40
+    for e in exercises:
+        idea, shape, stub = e["idea"], e["hint"], lab_cells[e["cell_id"]]
+        assert len(idea) > 20 and len(shape) > 20 and idea != shape, e["function"]
+        assert shape not in idea, e["function"]
+        assert idea not in stub and shape not in stub, e["function"]
+        assert f"hint('{e['function']}')" in stub, e["function"]
+
+
+def test_an_exercise_without_an_idea_is_refused_by_name(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from grpo_lab.course import labs
+
+    source = ("def kl_k3(logp, ref_logp):\n    ### BEGIN SOLUTION\n    # Hint: r.exp() - r - 1\n"
+              "    r = ref_logp - logp\n    return r.exp() - r - 1\n    ### END SOLUTION")
+    path = tmp_path / "x.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell(source), new_code_cell(
+        "from grpo_lab.course.checks import check_kl_k3\ncheck_kl_k3(kl_k3)")]), path)
+    with pytest.raises(ValueError, match=r"kl_k3\(\) has no `# Idea: \.\.\.` comment"):
+        labs.manifest([path])
+
+
+def test_hint_gives_the_idea_then_the_shape_then_says_that_was_all(capsys, monkeypatch):
+    from grpo_lab.course import hints
+
+    monkeypatch.setattr(hints, "_opened", {})
+    idea, shape = hints.hints_of()["token_weights"]
+    assert hints.hint("token_weights") == idea
+    assert hints.hint("token_weights") == shape
+    assert "no more hints for token_weights" in hints.hint("token_weights")
+    assert hints.hint("token_weights", level=1) == idea
+    out = capsys.readouterr().out
+    assert "💡 hint 1 of 2 for token_weights, the idea:" in out
+    assert "💡 hint 2 of 2 for token_weights, the shape of the code:" in out
+    assert hints.opened_hints(out) == {"token_weights": 2}
+    with pytest.raises(ValueError, match="no exercise is named 'token_weight'; the exercises"):
+        hints.hint("token_weight")
+    with pytest.raises(ValueError, match="level must be 1"):
+        hints.hint("kl_k3", level=3)

@@ -65,7 +65,8 @@ def test_nbgrader_generates_and_autogrades_the_course(tmp_path, warm_jupyter_pat
     lab = nbformat.read(released / NOTEBOOKS[1], as_version=4)
     stub = [c.source for c in lab.cells if c.metadata["nbgrader"].get("solution")]
     assert len(stub) == 3 and all("raise NotImplementedError()" in s for s in stub)  # + stretch
-    assert "keepdim" not in stub[0] and "# Hint:" in stub[0]  # nbgrader's stub, our hint
+    # nbgrader's stub, with our task line above it: what to write and where the hints are
+    assert "keepdim" not in stub[0] and "hint('group_advantages')" in stub[0]
     assert not any("### BEGIN" in c.source for c in lab.cells)
 
     student = course / "submitted" / "bob" / "ps1"

@@ -1,5 +1,5 @@
 """Classroom grading: `python -m grpo_lab grade SUBMISSION... [--json OUT] [--csv OUT]
-[--feedback DIR] [--journal FILE]`.
+[--feedback DIR] [--journal FILE] [--hints]`.
 
 Nothing the student's notebook prints, writes or patches decides a grade:
 - the exercises a notebook has come from the exercise manifest (grpo_lab/course/
@@ -18,6 +18,10 @@ Nothing the student's notebook prints, writes or patches decides a grade:
 - results go to an append-only journal (JSON lines, fsync'd) written by the grader alone: a
   grader stopped mid-class and started again skips what is done and ends with the same
   grades; the JSON, the gradebook CSV and the feedback files are written from it at the end.
+
+With `--hints` the gradebook also counts the hints a student opened (`hint("name")`, two
+tiers per exercise; grpo_lab/course/hints.py), from the lines they left in the submission's
+stored outputs: information for the instructor, never part of a grade.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import integrity, sandbox
+from .hints import opened_hints
 from .labs import find_checker, load_manifest, python_source
 
 MAX_NOTEBOOK_BYTES = 20 << 20
@@ -346,27 +351,54 @@ def _by_student(records: list[Record]) -> dict[str, list[Record]]:
     return out
 
 
-def write_gradebook(records: list[Record], path: Path) -> None:
+def submission_hints(raw: bytes) -> dict[str, int]:
+    """{exercise: the highest hint tier (1 or 2) opened} from a submission's stored outputs;
+    {} for anything that is not a readable notebook."""
+    try:
+        nb = json.loads(raw.decode("utf-8"))
+        outputs = [o for c in nb.get("cells", []) if isinstance(c, dict)
+                   for o in c.get("outputs", []) or [] if isinstance(o, dict)]
+    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
+        return {}
+    text = []
+    for o in outputs:
+        for part in (o.get("text"), *(o.get("data") or {}).values()):
+            if isinstance(part, list):
+                part = "".join(x for x in part if isinstance(x, str))
+            if isinstance(part, str):
+                text.append(part)
+    return opened_hints("\n".join(text))
+
+
+def write_gradebook(records: list[Record], path: Path,
+                    hints: dict[str, dict[str, int]] | None = None) -> None:
     """One row per student, one column per exercise, then total and max (LMS import); where
     stretch exercises were graded, then the stretch points and their max too (included in
-    the total: a course that counts only the core subtracts them)."""
+    the total: a course that counts only the core subtracts them). With `hints` ({student:
+    {exercise: tiers opened}}), a last column: the hints each student opened in all."""
     exercises = list(dict.fromkeys(r.exercise for r in records if r.exercise != "(none)"))
     stretch = [e for e in exercises if e in stretch_exercises()]
     max_of = {e: next((x.max_points for x in records if x.exercise == e), 0) for e in exercises}
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["student", *exercises, "total", "max",
-                    *(["stretch", "stretch_max"] if stretch else [])])
+                    *(["stretch", "stretch_max"] if stretch else []),
+                    *(["hints_opened"] if hints is not None else [])])
         for student, rs in _by_student(records).items():
             pts = {r.exercise: r.points for r in rs}
             row = [student, *(pts.get(e, 0) for e in exercises), sum(r.points for r in rs),
                    sum(r.max_points for r in rs) or sum(max_of.values())]
             if stretch:
                 row += [sum(pts.get(e, 0) for e in stretch), sum(max_of[e] for e in stretch)]
+            if hints is not None:
+                row.append(sum(n for e, n in hints.get(student, {}).items() if e in exercises))
             w.writerow(row)
 
 
-def write_feedback(records: list[Record], folder: Path, hints: dict[str, str]) -> list[Path]:
+def write_feedback(records: list[Record], folder: Path, ideas: dict[str, str],
+                   opened: dict[str, dict[str, int]] | None = None) -> list[Path]:
+    """One Markdown file per student: each exercise's points and reason; where it did not
+    pass, its idea (hint 1); with `opened`, the hints the student opened for it."""
     folder.mkdir(parents=True, exist_ok=True)
     stretch = stretch_exercises()
     written = []
@@ -379,8 +411,12 @@ def write_feedback(records: list[Record], folder: Path, hints: dict[str, str]) -
             lines += [f"## {r.exercise}: {r.points}/{r.max_points} ({icon}{tier})", ""]
             if r.reason:
                 lines += [r.reason, ""]
-            if r.status != "passed" and hints.get(r.exercise):
-                lines += [f"Hint: {hints[r.exercise]}", ""]
+            if r.status != "passed" and ideas.get(r.exercise):
+                lines += [f"The idea: {ideas[r.exercise]} (`hint(\"{r.exercise}\")` in the "
+                          "notebook; a second call gives the shape of the code)", ""]
+            if opened is not None:
+                n = opened.get(student, {}).get(r.exercise, 0)
+                lines += [f"Hints opened: {n} of 2", ""]
         p = folder / f"{_safe(student)}.md"
         p.write_text("\n".join(lines), encoding="utf-8")
         written.append(p)
@@ -395,7 +431,7 @@ def _safe(name: str) -> str:
 def main(paths: list[str], json_out: str | None, csv_out: str | None,
          cell_timeout: float = 60, *, journal: str | None = None,
          feedback: str | None = None, submission_timeout: float = 600,
-         memory_mb: int = 4096, manifest: dict | None = None) -> int:
+         memory_mb: int = 4096, manifest: dict | None = None, hints: bool = False) -> int:
     manifest = manifest or load_manifest()
     limits = sandbox.Limits(call_s=cell_timeout, submission_s=submission_timeout,
                             memory_mb=memory_mb)
@@ -413,6 +449,7 @@ def main(paths: list[str], json_out: str | None, csv_out: str | None,
     if done:
         print(f"journal {journal_path}: {len(done)} submissions already graded, skipped")
     out: list[Record] = []
+    opened: dict[str, dict[str, int]] = {}  # student -> {exercise: hint tiers opened}
     log = Journal(journal_path)
     with tempfile.TemporaryDirectory(prefix="grpo-grade-pkg-") as pkg:
         pkg_root = sandbox.package_copy(Path(pkg))
@@ -423,6 +460,9 @@ def main(paths: list[str], json_out: str | None, csv_out: str | None,
                 except Exception as e:  # noqa: BLE001
                     raw = f"unreadable: {type(e).__name__}: {e}".encode()
                 sha = hashlib.sha256(raw).hexdigest()
+                if hints:
+                    opened.setdefault(student_name(path, files), {}).update(
+                        submission_hints(raw))
                 key = (str(path), sha)
                 if key in done:
                     out += done[key]
@@ -443,9 +483,9 @@ def main(paths: list[str], json_out: str | None, csv_out: str | None,
         Path(json_out).write_text(json.dumps([asdict(r) for r in out], indent=2,
                                              ensure_ascii=False))
     if csv_out:
-        write_gradebook(out, Path(csv_out))
+        write_gradebook(out, Path(csv_out), opened if hints else None)
     if feedback:
-        hints = {e["function"]: e.get("hint", "") for nb in manifest["notebooks"].values()
+        ideas = {e["function"]: e["idea"] for nb in manifest["notebooks"].values()
                  for e in nb["exercises"]}
-        write_feedback(out, Path(feedback), hints)
+        write_feedback(out, Path(feedback), ideas, opened if hints else None)
     return 0

@@ -2,15 +2,17 @@
 
 In every code cell of solutions/NN_*.ipynb (nbgrader's conventions):
 - the lines between `### BEGIN SOLUTION` and `### END SOLUTION` become one
-  `raise NotImplementedError(...)` at the same indentation, carrying the `# Hint:` comment
-  found inside the block, if any;
+  `raise NotImplementedError(...)` at the same indentation whose message says what the
+  function must do (its docstring's first line) and points to `hint("name")`: never the
+  code. The block's `# Idea:` and `# Hint:` comments are the two tiers `hint()` gives
+  (grpo_lab/course/hints.py); every exercise needs both;
 - the lines between `### BEGIN HIDDEN TESTS` and `### END HIDDEN TESTS` are removed;
 - outputs and execution counts are cleared.
 It also writes the exercise manifest, `grpo_lab/course/exercises.json`: for each notebook
 the exercises it must have (the functions whose `check_<name>(` the solution calls, in
 order), each with what `grade` needs to grade it without running the student's notebook:
 its cell id, function, checker, reference, points (cell metadata `grpo_lab: {points: N}`,
-default 1), hint, the setup imports before it, and the grpo_lab names it may and may not
+default 1), idea and hint (the two tiers of `hint()`), the setup imports before it, and the grpo_lab names it may and may not
 use. It ships inside the package, so `grade` knows them wherever grpo_lab is installed from.
 `--check` regenerates in memory and exits 1 when labs/ or the manifest differs (CI runs
 it as a test). `--nbgrader DIR` writes an nbgrader source folder instead (see `nbgrader_source`).
@@ -34,33 +36,55 @@ CHECKER_MODULES = (checks, step_checks, hardening_checks, stretch)
 
 MANIFEST = Path(__file__).with_name("exercises.json")
 CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")
-DEFAULT_HINT = "write this function: its docstring says what it takes and returns"
+DEFAULT_TASK = "write this function: its docstring says what it takes and returns"
 
 
 class MarkerError(ValueError):
     """Unbalanced or nested solution / hidden-test markers in a solution cell."""
 
 
+def _enclosing_functions(source: str) -> dict[int, tuple[str, str]]:
+    """{line number: (function name, first line of its docstring)} for every line inside a
+    function of `source` (the innermost function wins); {} when it does not parse."""
+    try:
+        tree = ast.parse(python_source(source))
+    except SyntaxError:
+        return {}
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    spans = sorted((n.lineno, n.end_lineno, n.name, (ast.get_docstring(n) or "").split("\n")[0])
+                   for n in functions)  # outer functions first: an inner one overwrites them
+    return {line: (name, doc) for start, end, name, doc in spans for line in range(start, end + 1)}
+
+
+def task_message(name: str | None, doc: str) -> str:
+    """What a stub says: what the function must do, and where the hints are; never its code."""
+    if not name:
+        return DEFAULT_TASK
+    what = f"{name}: {doc.rstrip('.')}." if doc else f"{name}: {DEFAULT_TASK}."
+    return (f"{what} Not written yet: its docstring has the details. Stuck? "
+            f"hint({name!r}) gives the idea; a second call, the shape of the code.")
+
+
 def student_source(source: str, where: str = "") -> str:
     out: list[str] = []
-    mode, indent, hint = None, "", None
+    mode, indent = None, ""
+    functions = _enclosing_functions(source)
     for n, line in enumerate(source.splitlines(), 1):
         tag = line.strip()
         if tag in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS"):
             if mode is not None:
                 raise MarkerError(f"{where} line {n}: {tag!r} inside an open {mode} block")
-            mode, indent, hint = tag.split()[-1], line[: len(line) - len(line.lstrip())], None
+            mode, indent = tag.split()[-1], line[: len(line) - len(line.lstrip())]
+            task = task_message(*functions.get(n, (None, "")))
             continue
         if tag in ("### END SOLUTION", "### END HIDDEN TESTS"):
             if mode != tag.split()[-1]:
                 raise MarkerError(f"{where} line {n}: {tag!r} without its BEGIN")
             if mode == "SOLUTION":
-                out.append(f"{indent}raise NotImplementedError({json.dumps(hint or DEFAULT_HINT)})")
+                out.append(f"{indent}raise NotImplementedError({json.dumps(task, ensure_ascii=False)})")
             mode = None
             continue
         if mode == "SOLUTION":
-            if tag.lower().startswith("# hint:") and hint is None:
-                hint = tag[len("# hint:"):].strip()
             continue
         if mode == "TESTS":
             continue
@@ -113,7 +137,7 @@ def exercises_of(nb) -> list[str]:
     return names
 
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3  # 3: each exercise has an idea (hint 1) besides its hint
 SETUP_ROOTS = ("grpo_lab",)
 
 
@@ -132,11 +156,17 @@ def python_source(source: str) -> str:
                      for line in source.splitlines())
 
 
-def _hint(source: str) -> str:
+def _tier_comment(source: str, label: str, name: str) -> str:
+    """The text of the exercise cell's `# Idea:` or `# Hint:` comment (the two tiers of
+    `hint()`); a ValueError naming the exercise when it has none."""
     for line in source.splitlines():
-        if line.strip().lower().startswith("# hint:"):
-            return line.strip()[len("# hint:"):].strip()
-    return DEFAULT_HINT
+        if line.strip().lower().startswith(f"# {label}:"):
+            text = line.strip()[len(label) + 3:].strip()
+            if text:
+                return text
+    raise ValueError(f"the cell of {name}() has no `# {label.capitalize()}: ...` comment inside "
+                     "its ### BEGIN SOLUTION block: every exercise needs an idea (hint 1, in "
+                     "words) and a hint (hint 2, the shape of the code)")
 
 
 LOADER = "load_yours"  # workbook.load_yours: learner functions from earlier notebooks
@@ -246,7 +276,8 @@ def exercise_specs(nb) -> list[dict]:
             "checker": checker, "reference": reference,
             "points": int(cell.metadata.get("grpo_lab", {}).get("points", 1)),
             "tier": _tier(cell, name),
-            "hint": _hint(cell.source), "forbidden": forbidden,
+            "idea": _tier_comment(cell.source, "idea", name),
+            "hint": _tier_comment(cell.source, "hint", name), "forbidden": forbidden,
             "tripwires": [[module.replace(".", "/") + ".py", ref_name]],
             "setup": setup, "may_use": may_use, "provided": provided,
         })
@@ -307,19 +338,18 @@ def _nbgrader(grade_id: str, *, solution=False, grade=False, locked=False, point
     return meta
 
 
-def _hint_outside(source: str) -> str:
-    """The `# Hint:` comment moved above `### BEGIN SOLUTION`, so that nbgrader's stub (which
-    replaces the whole block) keeps it."""
+def _task_outside(source: str) -> str:
+    """The stub's message (`task_message`) as a comment above `### BEGIN SOLUTION`, so that
+    nbgrader's stub (which replaces the whole block by a bare `raise NotImplementedError()`)
+    still says what to write and where the hints are."""
     lines = source.splitlines()
     try:
         begin = next(i for i, x in enumerate(lines) if x.strip() == "### BEGIN SOLUTION")
     except StopIteration:
         return source
-    hint = next((i for i, x in enumerate(lines) if i > begin and
-                 x.strip().lower().startswith("# hint:")), None)
-    if hint is None:
-        return source
-    return "\n".join(lines[:begin] + [lines[hint]] + lines[begin:hint] + lines[hint + 1:])
+    indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
+    task = task_message(*_enclosing_functions(source).get(begin + 1, (None, "")))
+    return "\n".join(lines[:begin] + [f"{indent}# {task}"] + lines[begin:])
 
 
 def nbgrader_notebook(path: Path):
@@ -337,7 +367,7 @@ def nbgrader_notebook(path: Path):
             cell.execution_count = None
             cell.metadata.pop("execution", None)
         if cid in specs:
-            cell.source = _hint_outside(cell.source)
+            cell.source = _task_outside(cell.source)
             cell.metadata["nbgrader"] = _nbgrader(specs[cid]["function"], solution=True)
         elif cid in checks_of:
             e = checks_of[cid]
