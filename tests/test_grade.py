@@ -228,3 +228,35 @@ def test_the_gradebook_counts_the_hints_a_student_opened(tmp_path, solutions):
     assert "view(-1, group_size)" not in feedback  # the shape of the code is hint 2's
     assert feedback.count("Hints opened: 2 of 2") == 1 and "Hints opened: 1 of 2" in feedback
     assert grade.submission_hints(b"not a notebook") == {}
+
+
+PREDICTION = ('### BEGIN PREDICTION\nguess = predict("07-rollbacks", low=1, high=5)\n'
+              "### END PREDICTION")
+
+
+def test_a_prediction_scores_its_form_and_nothing_of_it_runs(tmp_path, monkeypatch):
+    """A prediction cell scores its point when it commits a well-formed prediction, right or
+    wrong; left blank it is 'not implemented', malformed 'failed', deleted 'missing'. Its
+    arguments are read as literals: a call in them is not run."""
+    use_manifest(monkeypatch, tmp_path, notebook(tmp_path / "solutions" / "sub.ipynb", SETUP,
+                                                 GOOD, CHECK_ADV, PREDICTION))
+    canary = tmp_path / "canary"
+    sources = {
+        "right": 'guess = predict("07-rollbacks", low=2, high=4)',
+        "blank": "guess = predict('07-rollbacks', low=None, high=None)",
+        "reversed": 'guess = predict("07-rollbacks", low=9, high=2)',
+        "hostile": f'guess = predict("07-rollbacks", low=open({str(canary)!r}, "w").write("x"), '
+                   "high=3)",
+        "deleted": "x = 1",
+    }
+    paths = [notebook(tmp_path / who / "sub.ipynb", SETUP, GOOD, CHECK_ADV, source)
+             for who, source in sources.items()]
+    rows = [r for r in run(tmp_path, paths) if r["exercise"] == "predict 07-rollbacks"]
+    got = {r["student"]: (r["points"], r["status"]) for r in rows}
+    assert got == {"right": (1, "passed"), "blank": (0, "not implemented"),
+                   "reversed": (0, "failed"), "hostile": (0, "failed"),
+                   "deleted": (0, "missing")}
+    reasons = {r["student"]: r["reason"] for r in rows}
+    assert "low must be <= high" in reasons["reversed"]
+    assert "low must be a number (got '<not a literal>')" in reasons["hostile"]
+    assert not canary.exists()

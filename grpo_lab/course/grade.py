@@ -41,9 +41,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import integrity, sandbox
+from . import integrity, predictions, sandbox
 from .hints import opened_hints
-from .labs import find_checker, load_manifest, python_source
+from .labs import find_checker, load_manifest, predict_calls, python_source
 
 MAX_NOTEBOOK_BYTES = 20 << 20
 JOURNAL_VERSION = 1
@@ -193,7 +193,30 @@ def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
             records.append(record)
     finally:
         worker.close()
+    records += [_grade_prediction(cells, pred, one) for pred in spec.get("predictions", [])]
     return records
+
+
+def _grade_prediction(cells: list[Cell], pred: dict, one) -> Record:
+    """A prediction cell scores its points when it commits a well-formed prediction
+    (predictions.form_problem), read from the cell's literal arguments: nothing runs, and
+    whether the prediction was right does not count."""
+    q, pts = pred["question"], pred["points"]
+    name = f"predict {q}"
+    marks = (f'predict("{q}"', f"predict('{q}'")
+    cell = next((c for c in cells if c.id == pred["cell_id"]), None)
+    if cell is None or not any(m in cell.source for m in marks):
+        cell = next((c for c in cells if any(m in c.source for m in marks)), None)
+    if cell is None:
+        return one(name, 0, pts, "missing", f"no cell calls predict({q!r}) (deleted?)")
+    values = next((v for question, v in predict_calls(cell.source) if question == q), None)
+    if values is None:
+        return one(name, 0, pts, "failed", f"cell {cell.index}: predict({q!r}) does not parse")
+    problem = predictions.form_problem(q, values)
+    if problem is None:
+        return one(name, pts, pts, "passed", "a well-formed prediction")
+    status = "not implemented" if problem.startswith("no prediction yet") else "failed"
+    return one(name, 0, pts, status, f"cell {cell.index}: {problem}")
 
 
 def _grade_exercise(worker: sandbox.Worker, cells: list[Cell], ex: dict, one, note: str

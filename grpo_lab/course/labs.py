@@ -7,6 +7,9 @@ In every code cell of solutions/NN_*.ipynb (nbgrader's conventions):
   code. The block's `# Idea:` and `# Hint:` comments are the two tiers `hint()` gives
   (grpo_lab/course/hints.py); every exercise needs both;
 - the lines between `### BEGIN HIDDEN TESTS` and `### END HIDDEN TESTS` are removed;
+- between `### BEGIN PREDICTION` and `### END PREDICTION`, each `predict("question", ...)`
+  call keeps its question and gets every field set to None, for the learner to fill
+  (grpo_lab/course/predictions.py);
 - outputs and execution counts are cleared.
 It also writes the exercise manifest, `grpo_lab/course/exercises.json`: for each notebook
 the exercises it must have (the functions whose `check_<name>(` the solution calls, in
@@ -30,7 +33,7 @@ import json
 import re
 from pathlib import Path
 
-from . import checks, hardening_checks, step_checks, stretch
+from . import checks, hardening_checks, predictions, step_checks, stretch
 
 CHECKER_MODULES = (checks, step_checks, hardening_checks, stretch)
 
@@ -71,18 +74,23 @@ def student_source(source: str, where: str = "") -> str:
     functions = _enclosing_functions(source)
     for n, line in enumerate(source.splitlines(), 1):
         tag = line.strip()
-        if tag in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS"):
+        if tag in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "### BEGIN PREDICTION"):
             if mode is not None:
                 raise MarkerError(f"{where} line {n}: {tag!r} inside an open {mode} block")
             mode, indent = tag.split()[-1], line[: len(line) - len(line.lstrip())]
-            task = task_message(*functions.get(n, (None, "")))
+            task, block = task_message(*functions.get(n, (None, ""))), []
             continue
-        if tag in ("### END SOLUTION", "### END HIDDEN TESTS"):
+        if tag in ("### END SOLUTION", "### END HIDDEN TESTS", "### END PREDICTION"):
             if mode != tag.split()[-1]:
                 raise MarkerError(f"{where} line {n}: {tag!r} without its BEGIN")
             if mode == "SOLUTION":
                 out.append(f"{indent}raise NotImplementedError({json.dumps(task, ensure_ascii=False)})")
+            if mode == "PREDICTION":
+                out.append(blank_predictions("\n".join(block), f"{where} line {n}"))
             mode = None
+            continue
+        if mode == "PREDICTION":
+            block.append(line)
             continue
         if mode == "SOLUTION":
             continue
@@ -92,6 +100,46 @@ def student_source(source: str, where: str = "") -> str:
     if mode is not None:
         raise MarkerError(f"{where}: a {mode} block is never closed")
     return "\n".join(out)
+
+
+def predict_calls(source: str) -> list[tuple[str, dict]]:
+    """(question, {field: literal value}) for each `predict("question", field=...)` call in
+    `source`; a field whose value is not a literal reads as the string "<not a literal>".
+    [] when the source does not parse."""
+    try:
+        tree = ast.parse(python_source(source))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    calls = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "predict"
+                and node.args and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)):
+            values = {}
+            for kw in node.keywords:
+                try:
+                    values[kw.arg] = ast.literal_eval(kw.value)
+                except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                    values[kw.arg] = "<not a literal>"
+            calls.append((node.args[0].value, values))
+    return calls
+
+
+def blank_predictions(block: str, where: str = "") -> str:
+    """A prediction block as the lab has it: every `predict(...)` call's fields set to None
+    (its question kept). The block holds statements only: comments go above its marker."""
+    try:
+        tree = ast.parse(block)
+    except SyntaxError as e:
+        raise MarkerError(f"{where}: the PREDICTION block does not parse ({e.msg})") from None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "predict"]
+    if not calls:
+        raise MarkerError(f"{where}: a PREDICTION block without a predict(...) call")
+    for call in calls:
+        for kw in call.keywords:
+            kw.value = ast.Constant(None)
+    return ast.unparse(tree)
 
 
 def find_root(root: str | Path | None = None) -> Path:
@@ -284,10 +332,30 @@ def exercise_specs(nb) -> list[dict]:
     return out
 
 
+def prediction_specs(nb, where: str = "") -> list[dict]:
+    """The prediction cells of one solution notebook (`### BEGIN PREDICTION`), in order:
+    question, cell id and index, points. Each must name a question of predictions.QUESTIONS
+    and carry a well-formed example prediction."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or "### BEGIN PREDICTION" not in cell.source:
+            continue
+        for question, values in predict_calls(cell.source):
+            problem = predictions.form_problem(question, values)
+            if problem:
+                raise ValueError(f"{where} cell {i}: predict({question!r}): {problem}")
+            out.append({"question": question, "cell_id": cell.get("id"), "cell_index": i,
+                        "points": int(cell.metadata.get("grpo_lab", {}).get("points", 1))})
+    return out
+
+
 def manifest(solutions: list[Path]) -> dict:
-    return {"version": MANIFEST_VERSION, "notebooks": {
-        p.name: {"exercises": exercise_specs(_nbformat().read(p, as_version=4))}
-        for p in solutions}}
+    notebooks = {}
+    for p in solutions:
+        nb = _nbformat().read(p, as_version=4)
+        notebooks[p.name] = {"exercises": exercise_specs(nb),
+                             "predictions": prediction_specs(nb, p.name)}
+    return {"version": MANIFEST_VERSION, "notebooks": notebooks}
 
 
 def manifest_text(solutions: list[Path]) -> str:
@@ -356,7 +424,8 @@ def nbgrader_notebook(path: Path):
     """A solution notebook as an nbgrader source notebook: each exercise cell is a solution
     cell (nbgrader replaces its `### BEGIN SOLUTION` block by a stub), each check cell an
     autograded test cell worth the exercise's points (its hidden asserts run at autograde),
-    every other cell locked (nbgrader restores it from the source before grading)."""
+    every other cell locked (nbgrader restores it from the source before grading), except
+    the prediction cells, which the learner fills in."""
     nb = _nbformat().read(path, as_version=4)
     specs = {e["cell_id"]: e for e in exercise_specs(nb)}
     checks_of = {e["check_cell_id"]: e for e in specs.values() if e["check_cell_id"]}
@@ -369,6 +438,11 @@ def nbgrader_notebook(path: Path):
         if cid in specs:
             cell.source = _task_outside(cell.source)
             cell.metadata["nbgrader"] = _nbgrader(specs[cid]["function"], solution=True)
+        elif "### BEGIN PREDICTION" in cell.source:  # the learner fills it in: not locked,
+            # and not a solution cell (nbgrader would replace it by its stub); graded for
+            # its form by `python -m grpo_lab grade`, not by nbgrader
+            cell.source = student_source(cell.source, f"{path.name} cell {i}")
+            cell.metadata.pop("nbgrader", None)
         elif cid in checks_of:
             e = checks_of[cid]
             if "### BEGIN HIDDEN TESTS" not in cell.source:
