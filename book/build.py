@@ -101,7 +101,8 @@ the repository and start JupyterLab with `./course lab` (README.md, the top).
 
 - [The five field reports](docs/reports/README.md): the training runs that broke, which the
   course reproduces and fixes.
-- [Glossary](docs/glossary.md) and [pacing guide](docs/pacing.md).
+- [Glossary](docs/glossary.md), [pacing guide](docs/pacing.md) and the
+  [open experiments](docs/open-experiments.md) with their rubrics.
 - [Recorded figures](benchmarks/RESULTS.md): speed and behaviour, with the commands.
 """
 
