@@ -214,7 +214,7 @@ def test_the_manifest_describes_the_new_exercises(with_hardening_checks):
     for name in ("health_check", "healthy_update", "accumulated_grpo_step"):
         assert ex[name]["reference"] == f"grpo_lab.course.hardening.{name}"
         assert (ex[name]["points"], ex[name]["tier"]) == (1, "core")
-        assert ex[name]["check_cell_id"] and ex[name]["hint"] != labs.DEFAULT_HINT
+        assert ex[name]["check_cell_id"] and ex[name]["idea"] and ex[name]["hint"]
     # graded alone: what each calls of the earlier exercises is bound to its reference
     provided = ex["healthy_update"]["provided"]
     assert provided["health_check"] == "grpo_lab.course.hardening.health_check"
@@ -284,5 +284,7 @@ def test_the_solutions_pass_the_grader(tmp_path, with_hardening_checks):
     grade.main([str(p) for p in paths], json_out=str(out), csv_out=None,
                journal=str(tmp_path / "j.jsonl"), manifest=manifest)
     records = json.loads(out.read_text())
-    assert len(records) == 5
+    assert [r["exercise"] for r in records] == [
+        "nonfinite_params", "health_check", "healthy_update", "predict 07-rollbacks",
+        "micro_batch_slices", "accumulated_grpo_step", "predict 08-step-inside-error"]
     assert all(r["points"] == r["max_points"] for r in records), records
