@@ -225,3 +225,24 @@ def test_faults_in_a_learners_run_are_caught_by_the_guarded_update():
         # spike rule has its 5 norms
         assert [m["skipped"] for m in rows] == [0] * 6 + [1, 0], fault
         assert all(m["nonfinite_params"] == 0 for m in rows), fault
+
+
+def test_a_step_that_does_not_count_itself_is_named_not_looped_on():
+    """A step that forgets `run.step_count += 1` would keep train() looping forever without
+    a line of output: the checker names it, and train() stops at the first such step."""
+    def forgetful(run, problems, loss_fn, update_fn, sample_fn=None):
+        metrics = steps.grpo_step(run, problems, loss_fn=loss_fn, update_fn=update_fn)
+        run.step_count -= 1
+        return metrics
+
+    result = step_checks.check_grpo_step(forgetful)
+    assert result.status == "failed"
+    assert "changed run.step_count by 0, not 1" in result.reason
+    run = steps.new_run(preset("stable", steps=3, eval_every=0, eval_size=2,
+                               prompts_per_step=2, group_size=2))
+    step = partial(forgetful, loss_fn=steps.grpo_loss, update_fn=steps.apply_update)
+    with pytest.raises(steps.StepError, match=r"left run.step_count at 0 \(it was 0 before"):
+        steps.train(run, step, progress=False, verbose=False)
+    assert [m["step"] for m in run.history] == [0]  # the step-0 evaluation only
+    with pytest.raises(steps.StepError, match="returned NoneType, not the step's metrics"):
+        steps.train(run, lambda run, problems: None, progress=False, verbose=False)

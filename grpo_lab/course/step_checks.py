@@ -86,8 +86,10 @@ def drive_step(fn, seed: int = 0, **overrides) -> dict:
     before = _flat(run.policy)
     problems = ProblemStream(seed).sample(run.cfg.prompts_per_step)
     torch.manual_seed(seed)  # the sampler's draws
+    counted = run.step_count
     metrics = fn(run, problems, loss_fn=steps.grpo_loss, update_fn=steps.apply_update)
-    return {"update": _flat(run.policy) - before, "metrics": metrics}
+    return {"update": _flat(run.policy) - before, "metrics": metrics,
+            "steps_counted": run.step_count - counted}
 
 
 def drive_update(fn, seed: int = 0, **overrides) -> dict:
@@ -545,6 +547,11 @@ def check_grpo_step(fn: Callable) -> CheckResult:
                     raise Mismatch("call it as grpo_step(run, problems, loss_fn=..., "
                                    f"update_fn=...): {e}") from None
                 raise
+            if out["steps_counted"] != 1:
+                raise Mismatch(f"your step changed run.step_count by {out['steps_counted']}, "
+                               "not 1: add 1 to it at the end of each step (`run.step_count "
+                               "+= 1`); train() counts the steps with it, and would otherwise "
+                               "never stop")
             want = drive_step(ref, seed, **overrides)
             _compare(out["update"], want["update"], "the parameters after your step", mutants,
                      lambda m: drive_step(m, seed, **overrides)["update"], STEP_MISTAKES)

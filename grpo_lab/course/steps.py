@@ -447,6 +447,24 @@ def describe_step(step_fn: Callable) -> str:
     return "; ".join(parts)
 
 
+class StepError(RuntimeError):
+    """A step function that breaks train()'s contract (message in the learner's terms)."""
+
+
+def check_step_result(metrics, steps_before: int, steps_after: int) -> None:
+    """What train() needs of each step: a dict of metrics back, and run.step_count one
+    higher than before it. A step that never counts would keep train() looping forever,
+    silently; one that returns no dict would fail later, far from the cause."""
+    if not isinstance(metrics, dict):
+        raise StepError(f"your step returned {type(metrics).__name__}, not the step's metrics: "
+                        "return a dict (notebook 04, section 6: `return step_metrics(...)`)")
+    if steps_after != steps_before + 1:
+        raise StepError(
+            f"your step left run.step_count at {steps_after} (it was {steps_before} before the "
+            "step): a step must add 1 to it (`run.step_count += 1`, notebook 04, section 6); "
+            "train() counts the steps with it, and would otherwise never stop")
+
+
 def train(run: Run, step_fn: Callable, steps: int | None = None,
           eval_every: int | None = None, progress: bool = True, callback=None,
           metrics_path: str | Path | None = None, verbose: bool = True) -> list[dict]:
@@ -480,7 +498,9 @@ def train(run: Run, step_fn: Callable, steps: int | None = None,
         while run.step_count < total:
             t0 = time.perf_counter()
             run.rolled_back = 0
+            before = run.step_count
             m = step_fn(run, run.stream.sample(cfg.prompts_per_step))
+            check_step_result(m, before, run.step_count)
             m.setdefault("rolled_back", run.rolled_back)
             m["nonfinite_params"] = 0 if all_finite(run.policy) else nonfinite_params(run.policy)
             if m["nonfinite_params"] == 0 and (
