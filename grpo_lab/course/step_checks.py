@@ -248,6 +248,10 @@ def _step_mutant(mistake: str) -> Callable:
             run.reward_fn = lambda c, answer, **k: reward_fn(
                 c, answer=[p.answer for p in problems] * G, **k)
             return steps.grpo_step(run, problems, loss_fn, update_fn)
+        if mistake == "reward_without_truncated":
+            reward_fn = run.reward_fn
+            run.reward_fn = lambda c, answer, **k: reward_fn(c, answer=answer)
+            return steps.grpo_step(run, problems, loss_fn, update_fn)
         if mistake == "rewards_as_advantages":
             with _patched(steps, group_advantages=lambda r, *a, **k: r.clone()):
                 return steps.grpo_step(run, problems, loss_fn, update_fn)
@@ -281,6 +285,9 @@ STEP_MISTAKES = {
     "answers_tiled": "the answers are in the wrong order: rows are grouped by prompt, so "
     "each answer must be repeated G times in a row (`[p.answer for p in problems for _ in "
     "range(G)]`), not the list repeated G times",
+    "reward_without_truncated": "the reward call leaves out `truncated=`: a completion cut "
+    "off at max_new_tokens (no end-of-text) whose text is the answer then scores 1, though the "
+    "model never finished it; pass `truncated=rollout.truncated.tolist()` so that it scores 0",
     "rewards_as_advantages": "the raw rewards are used as advantages: normalise them within "
     "each group with `group_advantages(rewards, G, ...)`",
     "temperature_ignored": "the training forward ignores the temperature: log-probs must "
@@ -571,6 +578,7 @@ def check_grpo_step(fn: Callable) -> CheckResult:
     return run_check("grpo_step", fn, ref, [
         ("4 prompts x 4 completions, drifted policy, stale .grad", case(0)),
         ("temperature 0.7, loss_type dr_grpo", case(1, temperature=0.7, loss_type="dr_grpo")),
+        ("completions cut at 2 tokens (truncated ones score 0)", case(2, max_new_tokens=2)),
     ])
 
 
