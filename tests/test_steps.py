@@ -246,3 +246,21 @@ def test_a_step_that_does_not_count_itself_is_named_not_looped_on():
     assert [m["step"] for m in run.history] == [0]  # the step-0 evaluation only
     with pytest.raises(steps.StepError, match="returned NoneType, not the step's metrics"):
         steps.train(run, lambda run, problems: None, progress=False, verbose=False)
+
+
+def test_the_run_says_whose_functions_train():
+    """The progress bar says 'your GRPO' only when every exercise function in the step is the
+    learner's; the printed line names each one underneath, down to notebook 01's."""
+    step, loss, update = load_yours("grpo_step", "grpo_loss", "apply_update",
+                                    folder=ROOT / "solutions", quiet=True)
+    mine = partial(step, loss_fn=loss, update_fn=update)
+    assert steps.step_label(mine) == "your GRPO"
+    line = steps.describe_step(mine)
+    for name, nb in [("clipped_surrogate", "03"), ("kl_k3", "03"), ("token_weights", "03"),
+                     ("token_logprobs", "01"), ("completion_logprobs", "04")]:
+        assert f"{name} (yours, notebook {nb})" in line, line
+    assert steps.step_label(partial(step, loss_fn=steps.grpo_loss, update_fn=update)) == \
+        "your GRPO, part reference"
+    lab_step, lab_loss = load_yours("grpo_step", "grpo_loss", folder=ROOT / "labs", quiet=True)
+    assert steps.step_label(partial(lab_step, loss_fn=lab_loss)) == "the reference GRPO"
+    assert "(yours" not in steps.describe_step(partial(lab_step, loss_fn=lab_loss))

@@ -428,23 +428,75 @@ def whose(fn) -> str:
     return f"{name} (yours)"
 
 
-def describe_step(step_fn: Callable) -> str:
-    """Which functions a step runs, and whose they are: the step, the functions passed to
-    it, and the exercise functions its code calls by name."""
+def _passed_functions(step_fn: Callable) -> tuple[Callable, dict[str, Callable]]:
+    """(the step function, {argument: function}) for the functions a step is given: bound
+    with functools.partial, or its parameters' callable defaults."""
     fn, bound = (step_fn.func, step_fn.keywords) if isinstance(step_fn, partial) else (step_fn, {})
-    parts = [whose(fn)]
     try:
         defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()
                     if p.default is not inspect.Parameter.empty and callable(p.default)}
     except (TypeError, ValueError):
         defaults = {}
-    parts += [f"{k}={whose(v)}" for k, v in {**defaults, **bound}.items() if callable(v)]
-    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    exercises = _exercise_names()
-    called = [scope[n] for n in (code.co_names if code else ()) if n in exercises and callable(scope.get(n))]
-    if called:
-        parts.append("calling " + ", ".join(whose(f) for f in called))
+    return fn, {k: v for k, v in {**defaults, **bound}.items() if callable(v)}
+
+
+def functions_underneath(step_fn: Callable) -> list[Callable]:
+    """The exercise functions a step runs below the ones it is given: those the code of the
+    step and of the functions passed to it calls by name, and, in the learner's code, those
+    their code calls, all the way down (each once, in the order first met). The package's
+    own functions are the reference all the way down: their callees are not listed."""
+    exercises, out, seen = _exercise_names(), [], set()
+    fn, passed = _passed_functions(step_fn)
+
+    def visit(f, listed: bool) -> None:
+        if isinstance(f, partial):
+            visit(f.func, listed)
+            for v in f.keywords.values():
+                if callable(v):
+                    visit(v, True)
+            return
+        if id(f) in seen or not callable(f):
+            return
+        seen.add(id(f))
+        if listed:
+            out.append(f)
+        if (getattr(f, "__module__", None) or "").startswith("grpo_lab") and listed:
+            return
+        code, scope = getattr(f, "__code__", None), getattr(f, "__globals__", {})
+        for name in (code.co_names if code else ()):
+            if name in exercises and callable(scope.get(name)):
+                visit(scope[name], True)
+
+    visit(fn, False)
+    for f in passed.values():
+        visit(f, False)
+    return out
+
+
+def describe_step(step_fn: Callable) -> str:
+    """Which functions a step runs, and whose they are: the step, the functions passed to
+    it, and every exercise function underneath (functions_underneath)."""
+    fn, passed = _passed_functions(step_fn)
+    parts = [whose(fn)] + [f"{k}={whose(v)}" for k, v in passed.items()]
+    below = functions_underneath(step_fn)
+    if below:
+        parts.append("underneath: " + ", ".join(whose(f) for f in below))
     return "; ".join(parts)
+
+
+def step_label(step_fn: Callable) -> str:
+    """What a run of this step is called on its progress bar: 'your GRPO' when every
+    function in it is yours, 'the reference GRPO' when none is (yours did not pass its
+    checks, or is not written yet), 'your GRPO, part reference' in between."""
+    fn, passed = _passed_functions(step_fn)
+    parts = [fn, *passed.values(), *functions_underneath(step_fn)]
+    exercises = _exercise_names()  # the package's own helpers (sample_group) do not count
+    flat = [f for p in parts for f in ([p.func, *p.keywords.values()] if isinstance(p, partial)
+                                       else [p]) if getattr(f, "__name__", None) in exercises]
+    reference = [(getattr(f, "__module__", None) or "").startswith("grpo_lab") for f in flat]
+    if all(reference):
+        return "the reference GRPO"
+    return "your GRPO, part reference" if any(reference) else "your GRPO"
 
 
 class StepError(RuntimeError):
@@ -492,7 +544,7 @@ def train(run: Run, step_fn: Callable, steps: int | None = None,
 
     if run.step_count == 0 and not run.history:
         record({"step": 0, "eval/accuracy": evaluate(run), "nonfinite_params": 0})
-    bar = tqdm(total=total, initial=run.step_count, disable=not progress, desc="your GRPO",
+    bar = tqdm(total=total, initial=run.step_count, disable=not progress, desc=step_label(step_fn),
                unit="step", dynamic_ncols=True)
     try:
         while run.step_count < total:
