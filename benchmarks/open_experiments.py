@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/open_experiments.py [build|break|fix ...]
 
 Prints one line per setting: final held-out accuracy per seed (eval on 64 problems), the step
-a run crashed at, if any, and the mean. About 3 to 5 minutes per experiment on 2 cores.
+a run crashed at, if any, and the mean. 1.5 to 3 minutes per experiment on the 2-core
+machine of docs/open-experiments.md (2 threads).
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from grpo_lab.trainer import Trainer
 SEEDS, STEPS, EVAL = (0, 1, 2), 100, dict(eval_every=100, eval_size=64)
 
 
-def one(name: str, overrides: dict) -> None:
+def one(name: str, preset_name: str, overrides: dict) -> None:
     t0, accs, crashes, first = time.time(), [], [], []
     for seed in SEEDS:
-        settings = {k: v for k, v in overrides.items() if k != "_preset"}
-        trainer = Trainer(preset(overrides.get("_preset", "stable"), seed=seed, steps=STEPS,
-                                 **EVAL, **settings))
+        trainer = Trainer(preset(preset_name, seed=seed, steps=STEPS, **EVAL, **overrides))
         try:
             trainer.train(progress=False)
             evals = [m["eval/accuracy"] for m in trainer.history if "eval/accuracy" in m]
@@ -38,12 +37,13 @@ def one(name: str, overrides: dict) -> None:
           f"crashed: {'; '.join(crashes) or 'none'}  ({time.time() - t0:.0f} s)", flush=True)
 
 
-EXPERIMENTS = {
+EXPERIMENTS = {  # part: {setting: (preset, its overrides)}
     # build (notebook 04): the same 64 completions per step, split into groups of G
-    "build": {f"G = {g}, {64 // g} prompts": dict(group_size=g, prompts_per_step=64 // g)
+    "build": {f"G = {g}, {64 // g} prompts": ("stable", dict(group_size=g,
+                                                              prompts_per_step=64 // g))
               for g in (2, 4, 8, 16)},
     # break (notebook 05): one change at a time to the naive preset, 100 steps
-    "break": {name: dict(_preset="naive", **o) for name, o in {
+    "break": {name: ("naive", o) for name, o in {
         "naive": {},
         "ratio against pi_old": dict(ratio_against="old"),
         "per-token ratio": dict(ratio_level="token"),
@@ -53,11 +53,12 @@ EXPERIMENTS = {
         "learning rate 1e-4": dict(learning_rate=1e-4),
     }.items()},
     # fix (notebook 11): the stable preset (the hardened trainer) at larger learning rates
-    "fix": {f"stable, lr {lr:g}": dict(learning_rate=lr) for lr in (1e-4, 3e-4, 1e-3, 3e-3)},
+    "fix": {f"stable, lr {lr:g}": ("stable", dict(learning_rate=lr))
+            for lr in (1e-4, 3e-4, 1e-3, 3e-3)},
 }
 
 if __name__ == "__main__":
     for part in sys.argv[1:] or list(EXPERIMENTS):
         print(f"== {part}: {STEPS} steps, seeds {SEEDS}, eval on 64 held-out problems")
-        for name, overrides in EXPERIMENTS[part].items():
-            one(name, dict(overrides))
+        for name, (preset_name, overrides) in EXPERIMENTS[part].items():
+            one(name, preset_name, overrides)

@@ -168,6 +168,19 @@ def test_metrics_of_an_accumulated_step_are_the_whole_batchs():
     assert result.status == "failed" and "metrics['kl']" in result.reason, result.reason
 
 
+def test_an_accumulated_step_that_does_not_count_itself_is_named():
+    """The same contract as the plain step's (steps.check_step_result): without it train()
+    would loop forever on the learner's accumulated step."""
+    def forgetful(run, problems, loss_fn, update_fn=steps.apply_update, sample_fn=None):
+        metrics = hardening.accumulated_grpo_step(run, problems, loss_fn, update_fn)
+        run.step_count -= 1
+        return metrics
+
+    result = hardening_checks.check_accumulated_grpo_step(forgetful)
+    assert result.status == "failed" and "left run.step_count at 0" in result.reason, \
+        result.reason
+
+
 def test_an_update_without_update_fn_is_told_how_it_is_called():
     def healthy_update(run):
         return hardening.healthy_update(run)

@@ -42,9 +42,11 @@ def test_reveal_says_how_far_off_the_prediction_was(capsys):
     assert above == "you predicted 2 to 4; measured 1.35: outside your range, by 0.649 (0.68 x the nearer bound)"
     assert reveal(predict("06-clamp-only-nan-seeds", choice="3"), "0").endswith("not this time")
     none = reveal(predict("05-crash-step", low=None, high=None), 23)
-    assert none == "measured: 23 step (no prediction was made)"
+    assert none == "measured: 23 step (no well-formed prediction was made)"
+    reveal(predict("07-rollbacks", low=5, high=1), 3)
     out = capsys.readouterr().out
     assert "⏳ no prediction yet: fill in low and high" in out and "🔮" in out
+    assert "❌ low must be <= high" in out
 
 
 def test_the_lab_gets_the_call_with_every_field_blank():

@@ -237,7 +237,7 @@ def test_a_step_that_does_not_count_itself_is_named_not_looped_on():
 
     result = step_checks.check_grpo_step(forgetful)
     assert result.status == "failed"
-    assert "changed run.step_count by 0, not 1" in result.reason
+    assert "your step left run.step_count at 0 (it was 0 before the step)" in result.reason
     run = steps.new_run(preset("stable", steps=3, eval_every=0, eval_size=2,
                                prompts_per_step=2, group_size=2))
     step = partial(forgetful, loss_fn=steps.grpo_loss, update_fn=steps.apply_update)

@@ -31,7 +31,15 @@ from ..tasks import ProblemStream
 from ..trainer import micro_batch_slices
 from . import hardening, steps
 from .checks import CheckResult, Mismatch, _expect, _gen, run_check
-from .step_checks import STEP_TOL, _flat, drive, drive_step, fixture_cfg, fixture_run
+from .step_checks import (
+    STEP_TOL,
+    _flat,
+    check_step_contract,
+    drive,
+    drive_step,
+    fixture_cfg,
+    fixture_run,
+)
 
 PARAM_FAULTS = {"nan-params": float("nan"), "inf-params": float("inf")}
 FAULTS = (*PARAM_FAULTS, "nan-grads")
@@ -129,11 +137,13 @@ def drive_accumulated(fn, seed: int = 0, **overrides) -> dict:
     before = _flat(run.policy)
     problems = ProblemStream(seed).sample(run.cfg.prompts_per_step)
     torch.manual_seed(seed)  # the sampler's draws
+    counted = run.step_count
     try:
         metrics = fn(run, problems, loss_fn=steps.grpo_loss, update_fn=steps.apply_update)
     finally:
         hook.remove()
-    return {"update": _flat(run.policy) - before, "metrics": metrics, "rows": rows}
+    return {"update": _flat(run.policy) - before, "metrics": metrics, "rows": rows,
+            "step_count": (counted, run.step_count)}
 
 
 DRIVERS: dict[str, Callable] = {f.__name__: f for f in (drive_health_check,
@@ -476,6 +486,7 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
                     raise Mismatch("call it as accumulated_grpo_step(run, problems, loss_fn=..., "
                                    f"update_fn=...): {e}") from None
                 raise
+            check_step_contract(out)
             want = drive_step(ref, seed, **overrides)
             k = overrides["grad_accum_steps"]
             cfg = fixture_cfg(seed, **overrides)
@@ -490,8 +501,6 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
                          mutants, lambda m: drive_accumulated(m, seed, **overrides)["update"],
                          ACCUMULATION_MISTAKES)
             got = out["metrics"]
-            if not isinstance(got, dict):
-                raise Mismatch(f"return the step's metrics as a dict; got {type(got).__name__}")
             for key, what in (("reward", ""), ("grad_norm", ""),
                               ("loss", " (the sum of the rescaled micro-batch losses: the "
                                        "whole batch's loss)"),

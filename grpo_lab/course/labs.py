@@ -15,8 +15,8 @@ It also writes the exercise manifest, `grpo_lab/course/exercises.json`: for each
 the exercises it must have (the functions whose `check_<name>(` the solution calls, in
 order), each with what `grade` needs to grade it without running the student's notebook:
 its cell id, function, checker, reference, points (cell metadata `grpo_lab: {points: N}`,
-default 1), idea and hint (the two tiers of `hint()`), the setup imports before it, and the grpo_lab names it may and may not
-use. It ships inside the package, so `grade` knows them wherever grpo_lab is installed from.
+default 1), idea and hint (the two tiers of `hint()`), the setup imports before it, and the
+grpo_lab names it may and may not use; and its prediction cells (question, cell id, points). It ships inside the package, so `grade` knows them wherever grpo_lab is installed from.
 `--check` regenerates in memory and exits 1 when labs/ or the manifest differs (CI runs
 it as a test). `--nbgrader DIR` writes an nbgrader source folder instead (see `nbgrader_source`).
 
@@ -102,26 +102,30 @@ def student_source(source: str, where: str = "") -> str:
     return "\n".join(out)
 
 
+def _predict_nodes(tree: ast.AST) -> list[ast.Call]:
+    """The `predict("question", ...)` calls in a parsed cell: a string literal first."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and getattr(n.func, "id", None) == "predict" and n.args
+            and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)]
+
+
 def predict_calls(source: str) -> list[tuple[str, dict]]:
     """(question, {field: literal value}) for each `predict("question", field=...)` call in
-    `source`; a field whose value is not a literal reads as the string "<not a literal>".
-    [] when the source does not parse."""
+    `source`; a field whose value is not a literal reads as the string "<not a literal>"
+    (nothing is evaluated). [] when the source does not parse."""
     try:
         tree = ast.parse(python_source(source))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     calls = []
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "predict"
-                and node.args and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)):
-            values = {}
-            for kw in node.keywords:
-                try:
-                    values[kw.arg] = ast.literal_eval(kw.value)
-                except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-                    values[kw.arg] = "<not a literal>"
-            calls.append((node.args[0].value, values))
+    for node in _predict_nodes(tree):
+        values = {}
+        for kw in node.keywords:
+            try:
+                values[kw.arg] = ast.literal_eval(kw.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                values[kw.arg] = "<not a literal>"
+        calls.append((node.args[0].value, values))
     return calls
 
 
@@ -132,8 +136,7 @@ def blank_predictions(block: str, where: str = "") -> str:
         tree = ast.parse(block)
     except SyntaxError as e:
         raise MarkerError(f"{where}: the PREDICTION block does not parse ({e.msg})") from None
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and getattr(n.func, "id", None) == "predict"]
+    calls = _predict_nodes(tree)
     if not calls:
         raise MarkerError(f"{where}: a PREDICTION block without a predict(...) call")
     for call in calls:

@@ -111,7 +111,8 @@ def predict(question: str, **values) -> Prediction:
     print(f"🔮 {q.text}")
     if q.choices:
         print("   choices: " + "; ".join(repr(c) for c in q.choices))
-    print("   " + (f"⏳ {p.problem}" if p.problem else f"your prediction: {_shown(q, values)}"))
+    mark = "⏳" if p.problem and p.problem.startswith("no prediction yet") else "❌"
+    print("   " + (f"{mark} {p.problem}" if p.problem else f"your prediction: {_shown(q, values)}"))
     return p
 
 
@@ -121,7 +122,7 @@ def reveal(prediction: Prediction, measured) -> str:
     q = QUESTIONS[prediction.question]
     got = f"{measured:.3g}" if isinstance(measured, (int, float)) else repr(measured)
     if prediction.problem:
-        line = f"measured: {got}{' ' + q.unit if q.unit else ''} (no prediction was made)"
+        line = f"measured: {got}{' ' + q.unit if q.unit else ''} (no well-formed prediction was made)"
     elif q.choices:
         right = prediction.values["choice"] == measured
         line = (f"you predicted {prediction.values['choice']!r}; measured {got}: "

@@ -89,7 +89,16 @@ def drive_step(fn, seed: int = 0, **overrides) -> dict:
     counted = run.step_count
     metrics = fn(run, problems, loss_fn=steps.grpo_loss, update_fn=steps.apply_update)
     return {"update": _flat(run.policy) - before, "metrics": metrics,
-            "steps_counted": run.step_count - counted}
+            "step_count": (counted, run.step_count)}
+
+
+def check_step_contract(out: dict) -> None:
+    """What train() needs of a whole step (steps.check_step_result: a metrics dict back,
+    run.step_count one higher), as a checker's Mismatch."""
+    try:
+        steps.check_step_result(out["metrics"], *out["step_count"])
+    except steps.StepError as e:
+        raise Mismatch(str(e)) from None
 
 
 def drive_update(fn, seed: int = 0, **overrides) -> dict:
@@ -554,17 +563,11 @@ def check_grpo_step(fn: Callable) -> CheckResult:
                     raise Mismatch("call it as grpo_step(run, problems, loss_fn=..., "
                                    f"update_fn=...): {e}") from None
                 raise
-            if out["steps_counted"] != 1:
-                raise Mismatch(f"your step changed run.step_count by {out['steps_counted']}, "
-                               "not 1: add 1 to it at the end of each step (`run.step_count "
-                               "+= 1`); train() counts the steps with it, and would otherwise "
-                               "never stop")
+            check_step_contract(out)
             want = drive_step(ref, seed, **overrides)
             _compare(out["update"], want["update"], "the parameters after your step", mutants,
                      lambda m: drive_step(m, seed, **overrides)["update"], STEP_MISTAKES)
             got = out["metrics"]
-            if not isinstance(got, dict):
-                raise Mismatch(f"return the step's metrics as a dict; got {type(got).__name__}")
             for key in ("reward", "loss", "kl", "grad_norm", "clip_ratio/region_mean"):
                 if key not in got:
                     from_loss = " (put every entry of the loss's stats in the metrics)" \

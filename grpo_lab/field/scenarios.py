@@ -40,6 +40,7 @@ from .catalog import CATALOG, DEVICE_SCENARIOS
 class Outcome:
     symptom: bool  # the failure's symptom showed up
     evidence: str  # the error text or the numbers that show it (or show it gone)
+    value: float | None = None  # the measured number the evidence quotes, where there is one
 
     def line(self, side: str) -> str:
         """What `python -m grpo_lab scenario` prints of it: "[broken] symptom reproduced: ..."."""
@@ -134,7 +135,7 @@ def _accumulation_scenario(variant: str) -> Callable[[bool], Outcome]:
     def run(fixed: bool) -> Outcome:
         err = _accumulation_error("correct" if fixed else variant)
         return Outcome(err > 1e-3, f"accumulated vs full-batch gradient: relative error "
-                                   f"{err:.2e} ({'fixed' if fixed else variant})")
+                                   f"{err:.2e} ({'fixed' if fixed else variant})", err)
 
     return run
 
