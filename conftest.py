@@ -73,6 +73,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/test_grade.py": 42,
     "solutions/11_capstone.ipynb": 41,
     "tests/test_trainer.py": 40,
+    "tests/test_diagnose.py": 35,
     "solutions/04_the_training_loop.ipynb": 39,
     "solutions/09_fix_the_kl_formula.ipynb": 37,
     "tests/test_wheel.py": 36,

@@ -13,6 +13,8 @@ Staging changes only what a static page needs:
   each notebook linked to its page and to its lab notebook (a download).
 - A link to a repository file that is not a page (the lab notebooks in labs/, ...) becomes a
   download of that file from the site; a link that resolves to no file stops the build.
+- Notebook 13's diagnosis cell is shown as the lab has it (its `diagnose(...)` calls blank,
+  no output): the solution's answers are the key of the course's mystery runs.
 - Nothing else: a notebook's widget outputs (progress bars) show their stored final text,
   as _config.yml's nb_mime_priority_overrides says (a static page has no widget state).
 - With GRPO_LAB_REPO_URL set (https://github.com/OWNER/REPO), pages get a repository button.
@@ -139,6 +141,11 @@ class Stager:
             notebook = json.loads(source.read_text())
             notebook["metadata"].pop("widgets", None)
             for cell in notebook["cells"]:
+                if cell["cell_type"] == "code" and "### BEGIN DIAGNOSIS" in "".join(cell["source"]):
+                    from grpo_lab.course.labs import student_source
+
+                    cell["source"] = student_source("".join(cell["source"]), where)
+                    cell["outputs"], cell["execution_count"] = [], None
                 if cell["cell_type"] == "markdown":
                     text_in = "".join(cell["source"])
                     cell["source"] = self.rewrite(text_in, source.parent, where)

@@ -146,6 +146,18 @@ def build_parser() -> Parser:
                        help="also count the hints each student opened (hint(\"name\") in the "
                             "notebook, two tiers per exercise): a gradebook column and a line per "
                             "exercise in the feedback; never part of a grade")
+    grade.add_argument("--mystery-key", default=None, metavar="FILE",
+                       help="the key of the mystery runs notebook 13 diagnoses (key.json "
+                            "from `mystery`; default: the course's own set, whose key is in "
+                            "solutions/13)")
+    mystery = sub.add_parser("mystery", help="make a new set of mystery runs for notebook 13 "
+                                             "(runs to hand out, and a key to keep)")
+    mystery.add_argument("--out", required=True, help="an empty folder: OUT/runs, OUT/key.json")
+    mystery.add_argument("--secret", type=int, default=None,
+                         help="the secret that draws the set (default: a random one, "
+                              "written into the key)")
+    mystery.add_argument("--steps", type=int, default=None,
+                         help="steps per run (default 60, what notebook 13 describes)")
     labs = sub.add_parser("labs", help="generate labs/ from solutions/ (student versions)")
     labs.add_argument("--check", action="store_true", help="exit 1 when labs/ is out of sync")
     labs.add_argument("--root", default=None,
@@ -430,7 +442,16 @@ def main(argv: list[str] | None = None) -> int:
             return grade(args.notebooks, args.json, args.csv, args.cell_timeout,
                          journal=args.journal, feedback=args.feedback,
                          submission_timeout=args.submission_timeout, memory_mb=args.memory_mb,
-                         hints=args.hints)
+                         hints=args.hints, mystery_key=args.mystery_key)
+        if args.command == "mystery":
+            from .course.diagnose import main as mystery
+
+            if args.steps is not None and args.steps < 1:
+                raise UsageError(f"--steps must be >= 1 (got {args.steps})")
+            try:
+                return mystery(args.out, args.secret, args.steps)
+            except FileExistsError as e:
+                raise UsageError(str(e)) from None
         if args.command == "labs":
             from .course.labs import main as labs
 

@@ -19,6 +19,11 @@ Nothing the student's notebook prints, writes or patches decides a grade:
   grader stopped mid-class and started again skips what is done and ends with the same
   grades; the JSON, the gradebook CSV and the feedback files are written from it at the end.
 
+Notebook 13's diagnoses of mystery runs are scored against the set's key (`--mystery-key
+FILE`, from `python -m grpo_lab mystery`; default: the course's own set, whose key is the
+answers of solutions/13): read from the cell's literal arguments, nothing of them runs
+(course/diagnose.py, score_run).
+
 With `--hints` the gradebook also counts the hints a student opened (`hint("name")`, two
 tiers per exercise; grpo_lab/course/hints.py), from the lines they left in the submission's
 stored outputs: information for the instructor, never part of a grade.
@@ -41,9 +46,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import integrity, predictions, sandbox
+from . import diagnose, integrity, predictions, sandbox
 from .hints import opened_hints
-from .labs import find_checker, load_manifest, predict_calls, python_source
+from .labs import (
+    diagnosis_key,
+    find_checker,
+    load_manifest,
+    predict_calls,
+    python_source,
+)
 
 MAX_NOTEBOOK_BYTES = 20 << 20
 JOURNAL_VERSION = 1
@@ -104,16 +115,19 @@ def match_notebook(name: str, cells: list[Cell], manifest: dict) -> tuple[str | 
     defined = set().union(*(defines(c.source) for c in cells)) if cells else set()
     ids = {c.id for c in cells if c.id}
     scores = {}
+    diagnosed = {run for c in cells for run, _ in predict_calls(c.source, "diagnose")}
     for nb, spec in manifest["notebooks"].items():
-        exercises = spec["exercises"]
-        if not exercises:
+        exercises, diagnoses = spec["exercises"], spec.get("diagnoses", [])
+        if not exercises and not diagnoses:
             continue
         score = sum(e["function"] in defined for e in exercises) + \
-            sum(e["cell_id"] in ids for e in exercises)
+            sum(e["cell_id"] in ids for e in exercises) + \
+            sum(d["run"] in diagnosed for d in diagnoses)
         scores[nb] = score
     best = max(scores.values(), default=0)
     if best == 0:
-        if name in manifest["notebooks"] and manifest["notebooks"][name]["exercises"]:
+        spec = manifest["notebooks"].get(name)
+        if spec and (spec["exercises"] or spec.get("diagnoses")):
             return name, ""
         return None, ("matches no course notebook: it defines none of their exercise "
                       "functions (graded 0; is it the right file?)")
@@ -164,7 +178,8 @@ def student_name(path: Path, all_paths: list[Path]) -> str:
 
 
 def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
-                     limits: sandbox.Limits, raw: bytes | None = None) -> list[Record]:
+                     limits: sandbox.Limits, raw: bytes | None = None,
+                     mystery_key: dict | None = None) -> list[Record]:
     def one(exercise: str, points: int, max_points: int, status: str, reason: str) -> Record:
         return Record(str(path), student, exercise, points, max_points, status, reason)
 
@@ -176,25 +191,73 @@ def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
         why = f"could not read the notebook: {type(e).__name__}: {str(e)[:160]}"
         if nb:
             return [one(e["function"], 0, e["points"], "not graded", why)
-                    for e in nb["exercises"]]
+                    for e in nb["exercises"]] + [
+                one(f"diagnose {d['run']}", 0, d["points"], "not graded", why)
+                for d in nb.get("diagnoses", [])]
         return [one("(none)", 0, 0, "not graded", why)]
     nb_name, note = match_notebook(path.name, cells, manifest)
     if nb_name is None:
         return [one("(none)", 0, 0, "not graded", note)]
     spec = manifest["notebooks"][nb_name]
     records: list[Record] = []
-    worker = sandbox.Worker(pkg_root, limits)
-    try:
-        for ex in spec["exercises"]:
-            record = _grade_exercise(worker, cells, ex, one, note)
-            if worker.lost_zygote:  # the grader's failure, not the student's: once more
-                worker.restart()
+    if spec["exercises"]:
+        worker = sandbox.Worker(pkg_root, limits)
+        try:
+            for ex in spec["exercises"]:
                 record = _grade_exercise(worker, cells, ex, one, note)
-            records.append(record)
-    finally:
-        worker.close()
+                if worker.lost_zygote:  # the grader's failure, not the student's: once more
+                    worker.restart()
+                    record = _grade_exercise(worker, cells, ex, one, note)
+                records.append(record)
+        finally:
+            worker.close()
     records += [_grade_prediction(cells, pred, one) for pred in spec.get("predictions", [])]
+    records += [_grade_diagnosis(cells, d, mystery_key, one) for d in spec.get("diagnoses", [])]
     return records
+
+
+def _grade_diagnosis(cells: list[Cell], spec: dict, key: dict | None, one) -> Record:
+    """One mystery run's diagnosis against the key (diagnose.score_run), read from the cell's
+    literal arguments: nothing runs."""
+    run, pts = spec["run"], spec["points"]
+    name = f"diagnose {run}"
+    if key is None or run not in key:
+        return one(name, 0, pts, "not graded", f"no key for run {run}: pass --mystery-key "
+                   "(the key.json of the set the class was given)")
+    answers = [v for c in cells for r, v in predict_calls(c.source, "diagnose") if r == run]
+    if not answers:
+        return one(name, 0, pts, "missing", f"no cell calls diagnose({run!r}) (deleted?)")
+    values = answers[-1]  # the last one written counts, as in the notebook
+    problem = diagnose.form_problem(run, values.get("cause"), values.get("fix"),
+                                    values.get("evidence"))
+    if problem and problem.startswith("no diagnosis"):
+        return one(name, 0, pts, "not implemented", problem)
+    points, why = diagnose.score_run(values, key[run])
+    if problem:
+        why += f" ({problem})"
+    return one(name, points, pts, "passed" if points == pts else "failed", why)
+
+
+COURSE_KEY_NOTEBOOK = "13_diagnose_the_run.ipynb"
+
+
+def load_mystery_key(path: str | None) -> dict | None:
+    """{run: {cause, fix}} of the mystery set being graded: `path` (a key.json written by
+    `python -m grpo_lab mystery`), else the answers of solutions/13 in the course checkout this package runs from, else
+    None (diagnoses are then not graded, with the reason)."""
+    if path:
+        data = json.loads(Path(path).read_text())
+        runs = data.get("runs", data) if isinstance(data, dict) else None
+        if not isinstance(runs, dict) or not all(
+                isinstance(v, dict) and {"cause", "fix"} <= set(v) for v in runs.values()):
+            raise ValueError(f"{path}: not a mystery key (expected {{'runs': {{name: "
+                             "{'cause': ..., 'fix': ...}}}}, as `python -m grpo_lab mystery` "
+                             "writes it)")
+        return runs
+    # the checkout this package runs from, never the current directory (which a class's
+    # unpacked submissions could hold a solutions/ of their own in)
+    solution = Path(__file__).resolve().parents[2] / "solutions" / COURSE_KEY_NOTEBOOK
+    return diagnosis_key(solution) if solution.exists() else None
 
 
 def _grade_prediction(cells: list[Cell], pred: dict, one) -> Record:
@@ -454,8 +517,17 @@ def _safe(name: str) -> str:
 def main(paths: list[str], json_out: str | None, csv_out: str | None,
          cell_timeout: float = 60, *, journal: str | None = None,
          feedback: str | None = None, submission_timeout: float = 600,
-         memory_mb: int = 4096, manifest: dict | None = None, hints: bool = False) -> int:
+         memory_mb: int = 4096, manifest: dict | None = None, hints: bool = False,
+         mystery_key: str | None = None) -> int:
     manifest = manifest or load_manifest()
+    try:
+        answers_key = load_mystery_key(mystery_key)
+    except (OSError, ValueError) as e:
+        print(f"error: --mystery-key: {e}", file=sys.stderr)
+        return 2
+    # a journal entry holds the grades of one key: another key grades the submission again
+    key_tag = hashlib.sha256(json.dumps(answers_key, sort_keys=True).encode()).digest() \
+        if mystery_key else b""
     limits = sandbox.Limits(call_s=cell_timeout, submission_s=submission_timeout,
                             memory_mb=memory_mb)
     files = [Path(p) for p in paths]
@@ -482,7 +554,7 @@ def main(paths: list[str], json_out: str | None, csv_out: str | None,
                     raw = _read(path)
                 except Exception as e:  # noqa: BLE001
                     raw = f"unreadable: {type(e).__name__}: {e}".encode()
-                sha = hashlib.sha256(raw).hexdigest()
+                sha = hashlib.sha256(raw + key_tag).hexdigest()
                 if hints:
                     opened.setdefault(student_name(path, files), {}).update(
                         submission_hints(raw))
@@ -492,7 +564,7 @@ def main(paths: list[str], json_out: str | None, csv_out: str | None,
                     continue
                 t0 = time.time()
                 rs = grade_submission(path, student_name(path, files), manifest, pkg_root,
-                                      limits, raw)
+                                      limits, raw, answers_key)
                 log.submission(str(path), sha, rs)
                 done[key] = rs
                 out += rs

@@ -9,7 +9,9 @@ In every code cell of solutions/NN_*.ipynb (nbgrader's conventions):
 - the lines between `### BEGIN HIDDEN TESTS` and `### END HIDDEN TESTS` are removed;
 - between `### BEGIN PREDICTION` and `### END PREDICTION`, each `predict("question", ...)`
   call keeps its question and gets every field set to None, for the learner to fill
-  (grpo_lab/course/predictions.py);
+  (grpo_lab/course/predictions.py); between `### BEGIN DIAGNOSIS` and `### END DIAGNOSIS`
+  each `diagnose("run", ...)` call the same (notebook 13, grpo_lab/course/diagnose.py: the
+  answers in the solution are the key, and never reach the lab or the manifest);
 - outputs and execution counts are cleared.
 It also writes the exercise manifest, `grpo_lab/course/exercises.json`: for each notebook
 the exercises it must have (the functions whose `check_<name>(` the solution calls, in
@@ -33,7 +35,7 @@ import json
 import re
 from pathlib import Path
 
-from . import checks, hardening_checks, predictions, step_checks, stretch
+from . import checks, diagnose, hardening_checks, predictions, step_checks, stretch
 
 CHECKER_MODULES = (checks, step_checks, hardening_checks, stretch)
 
@@ -74,22 +76,24 @@ def student_source(source: str, where: str = "") -> str:
     functions = _enclosing_functions(source)
     for n, line in enumerate(source.splitlines(), 1):
         tag = line.strip()
-        if tag in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "### BEGIN PREDICTION"):
+        if tag in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "### BEGIN PREDICTION",
+                   "### BEGIN DIAGNOSIS"):
             if mode is not None:
                 raise MarkerError(f"{where} line {n}: {tag!r} inside an open {mode} block")
             mode, indent = tag.split()[-1], line[: len(line) - len(line.lstrip())]
             task, block = task_message(*functions.get(n, (None, ""))), []
             continue
-        if tag in ("### END SOLUTION", "### END HIDDEN TESTS", "### END PREDICTION"):
+        if tag in ("### END SOLUTION", "### END HIDDEN TESTS", "### END PREDICTION",
+                   "### END DIAGNOSIS"):
             if mode != tag.split()[-1]:
                 raise MarkerError(f"{where} line {n}: {tag!r} without its BEGIN")
             if mode == "SOLUTION":
                 out.append(f"{indent}raise NotImplementedError({json.dumps(task, ensure_ascii=False)})")
-            if mode == "PREDICTION":
-                out.append(blank_predictions("\n".join(block), f"{where} line {n}"))
+            if mode in BLANKED:
+                out.append(blank_predictions("\n".join(block), f"{where} line {n}", BLANKED[mode]))
             mode = None
             continue
-        if mode == "PREDICTION":
+        if mode in BLANKED:
             block.append(line)
             continue
         if mode == "SOLUTION":
@@ -102,23 +106,29 @@ def student_source(source: str, where: str = "") -> str:
     return "\n".join(out)
 
 
-def _predict_nodes(tree: ast.AST) -> list[ast.Call]:
-    """The `predict("question", ...)` calls in a parsed cell: a string literal first."""
+# the blocks whose calls the lab blanks, and the function each one calls
+BLANKED = {"PREDICTION": "predict", "DIAGNOSIS": "diagnose"}
+
+
+def _predict_nodes(tree: ast.AST, function: str = "predict") -> list[ast.Call]:
+    """The `predict("question", ...)` calls (or another function's) in a parsed cell: a
+    string literal first."""
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-            and getattr(n.func, "id", None) == "predict" and n.args
+            and getattr(n.func, "id", None) == function and n.args
             and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)]
 
 
-def predict_calls(source: str) -> list[tuple[str, dict]]:
+def predict_calls(source: str, function: str = "predict") -> list[tuple[str, dict]]:
     """(question, {field: literal value}) for each `predict("question", field=...)` call in
-    `source`; a field whose value is not a literal reads as the string "<not a literal>"
-    (nothing is evaluated). [] when the source does not parse."""
+    `source` (or `diagnose("run", ...)` with function="diagnose"); a field whose value is
+    not a literal reads as the string "<not a literal>" (nothing is evaluated). [] when the
+    source does not parse."""
     try:
         tree = ast.parse(python_source(source))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     calls = []
-    for node in _predict_nodes(tree):
+    for node in _predict_nodes(tree, function):
         values = {}
         for kw in node.keywords:
             try:
@@ -129,16 +139,17 @@ def predict_calls(source: str) -> list[tuple[str, dict]]:
     return calls
 
 
-def blank_predictions(block: str, where: str = "") -> str:
+def blank_predictions(block: str, where: str = "", function: str = "predict") -> str:
     """A prediction block as the lab has it: every `predict(...)` call's fields set to None
-    (its question kept). The block holds statements only: comments go above its marker."""
+    (its question kept); a diagnosis block's `diagnose(...)` calls the same. The block holds
+    statements only: comments go above its marker."""
     try:
         tree = ast.parse(block)
     except SyntaxError as e:
-        raise MarkerError(f"{where}: the PREDICTION block does not parse ({e.msg})") from None
-    calls = _predict_nodes(tree)
+        raise MarkerError(f"{where}: the {function} block does not parse ({e.msg})") from None
+    calls = _predict_nodes(tree, function)
     if not calls:
-        raise MarkerError(f"{where}: a PREDICTION block without a predict(...) call")
+        raise MarkerError(f"{where}: a block without a {function}(...) call")
     for call in calls:
         for kw in call.keywords:
             kw.value = ast.Constant(None)
@@ -188,7 +199,7 @@ def exercises_of(nb) -> list[str]:
     return names
 
 
-MANIFEST_VERSION = 3  # 3: each exercise has an idea (hint 1) besides its hint
+MANIFEST_VERSION = 4  # 3: each exercise has an idea (hint 1) besides its hint; 4: diagnoses
 SETUP_ROOTS = ("grpo_lab",)
 
 
@@ -352,12 +363,39 @@ def prediction_specs(nb, where: str = "") -> list[dict]:
     return out
 
 
+def diagnosis_specs(nb, where: str = "") -> list[dict]:
+    """The runs a notebook's DIAGNOSIS cell diagnoses (notebook 13): run name, cell id and
+    index, points. The answers stay out: they are the key (`diagnosis_key`)."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or "### BEGIN DIAGNOSIS" not in cell.source:
+            continue
+        for run, values in predict_calls(cell.source, "diagnose"):
+            problem = diagnose.form_problem(run, **values)
+            if problem:
+                raise ValueError(f"{where} cell {i}: diagnose({run!r}): {problem}")
+            out.append({"run": run, "cell_id": cell.get("id"), "cell_index": i,
+                        "points": diagnose.POINTS})
+    return out
+
+
+def diagnosis_key(solution: Path) -> dict[str, dict]:
+    """{run: {cause, fix}}: the answers a solution notebook's DIAGNOSIS cell gives, the key
+    of the mystery set the course ships."""
+    nb = _nbformat().read(solution, as_version=4)
+    return {run: {"cause": v.get("cause"), "fix": v.get("fix")}
+            for cell in nb.cells if cell.cell_type == "code"
+            and "### BEGIN DIAGNOSIS" in cell.source
+            for run, v in predict_calls(cell.source, "diagnose")}
+
+
 def manifest(solutions: list[Path]) -> dict:
     notebooks = {}
     for p in solutions:
         nb = _nbformat().read(p, as_version=4)
         notebooks[p.name] = {"exercises": exercise_specs(nb),
-                             "predictions": prediction_specs(nb, p.name)}
+                             "predictions": prediction_specs(nb, p.name),
+                             "diagnoses": diagnosis_specs(nb, p.name)}
     return {"version": MANIFEST_VERSION, "notebooks": notebooks}
 
 
