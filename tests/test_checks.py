@@ -101,10 +101,21 @@ def _mask_without_eos(ids, eos):
     return ((ids == eos).long().cumsum(-1) == 0).long()
 
 
+def _region_with_bounds(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2,
+                       log_ratio_clamp=None):
+    """clipped_surrogate with <= and >= in the clip region: a ratio on the bound counts."""
+    per_token, _ = objective.clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high,
+                                               log_ratio_clamp)
+    r = objective.ratio_from_logprobs(logp, old_logp, log_ratio_clamp)
+    a = advantages.unsqueeze(-1)
+    return per_token, ((r <= 1 - eps_low) & (a < 0)) | ((r >= 1 + eps_high) & (a > 0))
+
+
 BUGS = [
     (checks.check_group_advantages, _no_eps, "NaN when every reward in a group is equal"),
     (checks.check_group_advantages, _batch_mean, "group's own mean"),
     (checks.check_clipped_surrogate, naive.constant_clip_surrogate, "clip_ratio * advantage"),
+    (checks.check_clipped_surrogate, _region_with_bounds, "use < and >, not <= and >="),
     (checks.check_kl_k3, _kl_wrong_sign, "wrong sign"),
     (checks.check_kl_k3, _kl_report_003, "report 003"),
     (checks.check_token_logprobs, _raw_logits, "log_softmax"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from functools import partial
 from pathlib import Path
@@ -122,6 +123,33 @@ def test_each_known_mistake_is_caught_and_named(exercise, mistake):
     result = step_checks.CHECKERS[exercise](make(mistake))
     assert result.status == "failed"
     assert catalog[mistake] in result.reason, result.reason
+
+
+def test_stats_averaged_over_padding_are_named():
+    """The loss is right, its stats ('kl', 'clip_ratio/region_mean') are means over every
+    position: the check names the padding."""
+    over_padding = step_checks._loss_mutant("stats_over_padding")
+
+    def loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+        value, _ = steps.grpo_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg)
+        return value, over_padding(logp, old_logp, ref_logp, advantages, completion_mask, cfg)
+
+    result = step_checks.check_grpo_loss(loss)
+    assert result.status == "failed"
+    assert step_checks.STATS_MISTAKES["stats_over_padding"] in result.reason, result.reason
+
+
+def test_a_loss_error_no_mistake_explains_is_located_by_row_and_token():
+    """A loss that puts weight on padding matches no known mistake: the message says where
+    the gradient differs, that those positions are padding, and never only a count."""
+    def loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+        value, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, completion_mask,
+                                       cfg)
+        return value + 0.01 * (logp * (1 - completion_mask)).sum(), stats
+
+    reason = step_checks.check_grpo_loss(loss).reason
+    assert re.search(r"first at row \d+, token \d+, padding \(mask 0\)", reason), reason
+    assert "where the gradient must be 0 (aggregation over padding?)" in reason
 
 
 def test_advantages_that_carry_a_gradient_are_named():

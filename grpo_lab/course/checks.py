@@ -397,10 +397,24 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
         got = pair(f(old.clone(), old.clone(), adv.clone(), 0.2, 0.2))
         _expect(got[0], -adv.unsqueeze(-1).expand(6, 3), "the loss when logp == old_logp")
 
+    def on_the_bound(f):
+        # eps = 0 puts r = 1 exactly on both bounds: the region is strict (TRL), so nothing
+        # is clipped; `<=` / `>=` would mark every token
+        got = pair(f(old.clone(), old.clone(), adv.clone(), 0.0, 0.0))
+        clipped = got[1]
+        if isinstance(clipped, torch.Tensor) and clipped.shape == (6, 3) and bool(clipped.all()):
+            raise Mismatch("region_clipped marks a ratio that sits exactly on the bound: with "
+                           "eps = 0 and r = 1 every token is marked. The region is strict, "
+                           "r < 1 - eps_low (A < 0) or r > 1 + eps_high (A > 0), as TRL's "
+                           "clip_ratio/region_mean: use < and >, not <= and >=")
+        _expect(clipped.bool() if isinstance(clipped, torch.Tensor) else clipped,
+                torch.zeros(6, 3, dtype=torch.bool), "region_clipped with eps = 0 and r = 1")
+
     return run_check("clipped_surrogate", fn, ref, [
         ("ratios inside and outside [0.8, 1.2], both signs of A", run),
         ("asymmetric clip range (eps_high = 0.28)", lambda f: run(f, 0.2, 0.28)),
         ("ratio 1 when the policy has not moved", reference_ratio),
+        ("a ratio exactly on the clip bound (eps = 0, r = 1)", on_the_bound),
         ("log_ratio_clamp bounds the log-ratio before exp", clamp),
     ])
 

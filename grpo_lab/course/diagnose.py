@@ -216,6 +216,11 @@ def make_runs(out: str | Path, secret: int | None = None, steps: int | None = No
 
 
 # --- what the notebook reads ----------------------------------------------------------------
+# short names for the columns of a printed table
+LABELS = {"clip_ratio/region_mean": "clip_ratio", "log_ratio/max_abs": "log_ratio_max",
+          "frac_reward_zero_std": "zero_std_frac", "nonfinite_params": "nonfinite"}
+
+
 @dataclass
 class Run:
     name: str
@@ -227,6 +232,19 @@ class Run:
         """(steps, values) of one metric, over the rows that have it."""
         rows = [m for m in self.metrics if metric in m]
         return [m["step"] for m in rows], [float(m[metric]) for m in rows]
+
+    def table(self, steps=None, columns=("reward", "loss", "kl", "grad_norm",
+                                         "clip_ratio/region_mean", "log_ratio/max_abs",
+                                         "frac_reward_zero_std", "nonfinite_params")) -> str:
+        """The metrics rows of `steps` (default: all), one line each, `columns` only."""
+        wanted = None if steps is None else set(steps)
+        rows = [m for m in self.metrics if wanted is None or m["step"] in wanted]
+        lines = [f"{'step':>4s}  " + "  ".join(f"{LABELS.get(c, c)[:13]:>13s}" for c in columns)]
+        for m in rows:
+            cells = [f"{m[c]:13.4g}" if isinstance(m.get(c), (int, float)) else f"{'-':>13s}"
+                     for c in columns]
+            lines.append(f"{m['step']:4d}  " + "  ".join(cells))
+        return "\n".join(lines)
 
 
 def load_runs(folder: str | Path | None = None) -> dict[str, Run]:
@@ -245,10 +263,8 @@ def summary(runs: dict[str, Run]) -> str:
     """One line per run: how it ended, and each metric's value at step 1 and its median."""
     shown = ("reward", "loss", "kl", "grad_norm", "clip_ratio/region_mean", "log_ratio/max_abs",
              "frac_reward_zero_std", "entropy")
-    label = {"clip_ratio/region_mean": "clip_ratio", "log_ratio/max_abs": "log_ratio_max",
-             "frac_reward_zero_std": "zero_std_frac"}
     head = f"{'run':9s} {'steps':>5s} {'accuracy':>17s}  " + "  ".join(
-        f"{label.get(c, c):>14s}" for c in shown)
+        f"{LABELS.get(c, c):>14s}" for c in shown)
     lines = [head, " " * 35 + "  ".join(f"{'step 1 | median':>14s}" for _ in shown)]
     for name, run in runs.items():
         done = max((m["step"] for m in run.metrics), default=0)
@@ -275,7 +291,8 @@ def _short(v: float) -> str:
 
 def plot_metric(runs: dict[str, Run], metric: str, log: bool = False):
     """One panel per mystery run: `metric` against the step, the baseline in grey behind
-    it. log=True: a log axis (for grad_norm or kl); zeros and NaN are not drawn there."""
+    it. log=True: a symmetric-log axis (for grad_norm or kl): linear below 1e-3, so a 0
+    still shows, as 0."""
     import matplotlib.pyplot as plt
 
     names = [n for n in runs if n != BASELINE]
@@ -289,13 +306,14 @@ def plot_metric(runs: dict[str, Run], metric: str, log: bool = False):
         steps, values = runs[name].series(metric)
         ax.plot(steps, values, "-" if len(steps) > 1 else "o", lw=1.0, color="C0", label=name)
         nan = [s for s, v in zip(steps, values, strict=True) if not math.isfinite(v)]
-        if nan:  # a non-finite value: a red cross at the bottom of the panel
-            ax.plot(nan, [0] * len(nan) if not log else [min(v for v in values if v > 0)
-                                                          if any(v > 0 for v in values)
-                                                          else 1e-3] * len(nan), "rx", ms=8)
+        if nan:  # a non-finite value: a red cross on the zero line
+            ax.plot(nan, [0] * len(nan), "rx", ms=8)
+        if not steps:
+            ax.text(0.5, 0.5, "no rows: stopped\nbefore step 1", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=9, color="C3")
         ax.set_title(f"run {name}", fontsize=10)
         if log:
-            ax.set_yscale("log")
+            ax.set_yscale("symlog", linthresh=1e-3)
     for ax in axes.flat[len(names):]:
         ax.axis("off")
     fig.suptitle(f"{metric} (grey: the baseline, a healthy run)", fontsize=11)

@@ -39,7 +39,7 @@ from ..objective import (
     token_weights,
 )
 from ..policy import load_policy
-from ..sampling import encode_prompts
+from ..sampling import encode_prompts, sample_group
 from ..tasks import ProblemStream
 from . import steps
 from .checks import CheckResult, Mismatch, _expect, _gen, run_check
@@ -200,8 +200,13 @@ def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.ndim != 0:
         return {"loss": loss, "grad": None}
     grad, adv_grad = torch.autograd.grad(loss, [args[0], advantages], allow_unused=True)
+    stats = out[1] if isinstance(out[1], dict) else {}
     return {"loss": loss.detach(), "grad": torch.zeros_like(args[0]) if grad is None else grad,
-            "advantages_get_gradient": adv_grad is not None and bool(adv_grad.abs().sum() > 0)}
+            "advantages_get_gradient": adv_grad is not None and bool(adv_grad.abs().sum() > 0),
+            "stats": {k: float(v) for k, v in stats.items() if isinstance(k, str)
+                      and isinstance(v, (int, float, torch.Tensor))
+                      and (not isinstance(v, torch.Tensor) or v.numel() == 1)},
+            "mask": args[4]}
 
 
 # the drivers a grading worker may run, by name (each checker module keeps its own)
@@ -269,6 +274,10 @@ def _step_mutant(mistake: str) -> Callable:
                 return completion_logprobs(model, ids, mask, C, 1.0)
             with _patched(steps, completion_logprobs=at_one):
                 return steps.grpo_step(run, problems, loss_fn, update_fn)
+        if mistake == "sampler_flags_dropped":
+            def without_flags(model, tok, prompts, G, n, temperature=1.0, *rest, **kw):
+                return sample_group(model, tok, prompts, G, n, temperature)
+            return steps.grpo_step(run, problems, loss_fn, update_fn, sample_fn=without_flags)
         if mistake == "reference_is_policy":
             policy = run.policy
 
@@ -304,6 +313,10 @@ STEP_MISTAKES = {
     "cfg.temperature)`, or the ratio does not start at 1",
     "reference_is_policy": "the reference log-probs come from the policy, not from "
     "`run.reference`: the KL term then measures nothing",
+    "sampler_flags_dropped": "your step does not pass `cfg.top_k` and `cfg.top_p` to the "
+    "sampler: it samples from the whole distribution even when the config asks for top-k or "
+    "nucleus sampling; call sample_fn(model, tokenizer, prompts, G, cfg.max_new_tokens, "
+    "cfg.temperature, cfg.top_k, cfg.top_p)",
 }
 
 
@@ -332,6 +345,9 @@ def _loss_mutant(mistake: str) -> Callable:
         elif mistake == "sign":
             out, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
             return -out, stats
+        elif mistake == "stats_over_padding":
+            return steps.grpo_loss(logp, old_logp, ref_logp, advantages, torch.ones_like(mask),
+                                   cfg)[1]
         else:
             raise KeyError(mistake)
         return steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, c)
@@ -361,6 +377,14 @@ LOSS_MISTAKES = {
     "per-sequence mean): pass it to `token_weights`",
     "no_clip": "nothing is clipped: the surrogate is -r x A without the trust region",
     "sign": "the loss has the opposite sign: a loss is minimised, so it is -min(r A, clip A)",
+}
+# a mistake in the loss's stats (what the metrics show), not in the loss: its mutant returns
+# the stats alone
+STATS_MISTAKES = {
+    "stats_over_padding": "the stats are averaged over padding too: 'kl' and "
+    "'clip_ratio/region_mean' are means over the completion tokens only, "
+    "`masked_mean(x, completion_mask)`; a padding position is no token of any completion, "
+    "and counting it shrinks both numbers by the padded share of the batch",
 }
 
 
@@ -454,13 +478,42 @@ def _no_advantage_gradient(out: dict) -> None:
                        "`advantages.detach()` in the loss")
 
 
+def _where_the_loss_differs(out: dict, want: dict) -> str:
+    """In the learner's terms: does the loss's value differ, and at which (row, token) does
+    its gradient differ first, and is that a padding position."""
+    parts = []
+    if not torch.allclose(out["loss"].double(), want["loss"].double(), **STEP_TOL):
+        parts.append(f"the loss is {float(out['loss']):.6g}, expected {float(want['loss']):.6g}")
+    g, w = out["grad"].double(), want["grad"].double()
+    if g.shape != w.shape:
+        return f"the gradient has shape {tuple(g.shape)}, expected {tuple(w.shape)}"
+    bad = ~torch.isclose(g, w, equal_nan=True, **STEP_TOL)
+    if bad.any():
+        row, tok = (int(i) for i in bad.nonzero()[0])
+        mask = out["mask"]
+        padding = bad & (mask == 0)
+        where = "padding (mask 0)" if mask[row, tok] == 0 else "a completion token"
+        parts.append(
+            f"its gradient differs at {int(bad.sum())} of {bad.numel()} (row, token) "
+            f"positions, first at row {row}, token {tok}, {where}: yours "
+            f"{g[row, tok].item():.4g}, expected {w[row, tok].item():.4g}")
+        if bool(padding.any()):
+            parts.append(f"{int(padding.sum())} of them are padding, where the gradient "
+                         "must be 0 (aggregation over padding?)")
+        elif bool((bad.sum(-1) == (mask == 1).sum(-1))[bad.any(-1)].all()):
+            parts.append("whole rows differ: the weighting of a row (its length, the "
+                         "loss_type) or its advantage?")
+    return "; ".join(parts) or "the loss or its gradient differs"
+
+
 def check_loss(name: str, fn: Callable, ref: Callable, cases: list[tuple[str, dict]],
-               catalog: dict[str, str] | None = None, make_mutant: Callable | None = None
-               ) -> CheckResult:
+               catalog: dict[str, str] | None = None, make_mutant: Callable | None = None,
+               stats: tuple[str, ...] = ()) -> CheckResult:
     """The check of a loss of the learner's trainer: on each case (drive_loss's parameters)
     the loss and its gradient with respect to logp must be the reference's, no gradient may
     reach the advantages, and where they differ the known mistake that gives the learner's
-    numbers is named."""
+    numbers is named, else where they differ (row, token, padding or not). `stats`: the
+    entries of the returned stats that must be the reference's too."""
     mutants = {k: make_mutant(k) for k in catalog or {}}
 
     def flat(r: dict) -> torch.Tensor:
@@ -475,8 +528,13 @@ def check_loss(name: str, fn: Callable, ref: Callable, cases: list[tuple[str, di
                 raise Mismatch("the loss must be a 0-dim tensor carrying a gradient "
                                "with respect to logp")
             _no_advantage_gradient(out)
-            _compare(flat(out), flat(want), "the loss or its gradient", mutants,
-                     lambda m: flat(drive_loss(m, **params)), catalog or {})
+            if not torch.allclose(flat(out).double(), flat(want).double(), **STEP_TOL):
+                named = _which(flat(out), mutants, lambda m: flat(drive_loss(m, **params)),
+                               catalog or {})
+                raise Mismatch(f"the loss or its gradient differs from the reference: "
+                               f"{named or _where_the_loss_differs(out, want)}")
+            for key in stats:
+                _check_stat(out["stats"], want["stats"], key, params)
         return run
 
     return run_check(name, fn, ref, [(what, case(params)) for what, params in cases])
@@ -512,12 +570,30 @@ def check_reinforce_loss(fn: Callable) -> CheckResult:
         ("completions of different lengths", dict(seed=0)), ("another batch", dict(seed=1))])
 
 
+def _check_stat(got: dict, want: dict, key: str, params: dict) -> None:
+    """One entry of a loss's stats against the reference's; a value that the stats-over-
+    padding mutant gives is named."""
+    if key not in got:
+        raise Mismatch(f"the stats have no {key!r} (keys: {sorted(got)[:8]}): return it with "
+                       "the loss, the metrics show it")
+    if math.isclose(got[key], want[key], rel_tol=1e-4, abs_tol=1e-6):
+        return
+    for name, message in STATS_MISTAKES.items():
+        other = drive_loss(lambda *a, n=name: (torch.zeros((), requires_grad=True),
+                                               _loss_mutant(n)(*a)), **params)["stats"]
+        if math.isclose(got[key], other[key], rel_tol=1e-4, abs_tol=1e-6):
+            raise Mismatch(f"stats[{key!r}] is {got[key]:.6g}, expected {want[key]:.6g}: "
+                           f"{message}")
+    raise Mismatch(f"stats[{key!r}] is {got[key]:.6g}, expected {want[key]:.6g} (a mean over "
+                   "the completion tokens of the batch)")
+
+
 def check_grpo_loss(fn: Callable) -> CheckResult:
     return check_loss("grpo_loss", fn, steps.grpo_loss, [
         ("loss_type grpo", dict(seed=0)), ("loss_type dr_grpo", dict(seed=1, loss_type="dr_grpo")),
         ("loss_type dapo, beta 0.2", dict(seed=2, loss_type="dapo", beta=0.2)),
         ("asymmetric clip 0.2 / 0.28", dict(seed=3, epsilon_high=0.28)),
-    ], LOSS_MISTAKES, _loss_mutant)
+    ], LOSS_MISTAKES, _loss_mutant, stats=("kl", "clip_ratio/region_mean"))
 
 
 def check_apply_update(fn: Callable) -> CheckResult:
@@ -565,7 +641,7 @@ def check_grpo_step(fn: Callable) -> CheckResult:
                 raise
             check_step_contract(out)
             want = drive_step(ref, seed, **overrides)
-            _compare(out["update"], want["update"], "the parameters after your step", mutants,
+            _compare(out["update"], want["update"], "the update your step made", mutants,
                      lambda m: drive_step(m, seed, **overrides)["update"], STEP_MISTAKES)
             got = out["metrics"]
             for key in ("reward", "loss", "kl", "grad_norm", "clip_ratio/region_mean"):
@@ -582,6 +658,7 @@ def check_grpo_step(fn: Callable) -> CheckResult:
         ("4 prompts x 4 completions, drifted policy, stale .grad", case(0)),
         ("temperature 0.7, loss_type dr_grpo", case(1, temperature=0.7, loss_type="dr_grpo")),
         ("completions cut at 2 tokens (truncated ones score 0)", case(2, max_new_tokens=2)),
+        ("top_k 2 and top_p 0.8 in the config", case(3, top_k=2, top_p=0.8)),
     ])
 
 
