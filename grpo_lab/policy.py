@@ -98,7 +98,11 @@ def warm_start(
     return {"steps": step, "dev_accuracy": acc, "seconds": round(time.time() - t0, 1)}
 
 
-GPU_CACHE = CACHE_DIR / "gpt2-124m-warm"
+# the gpu profile's warm-started models, one folder each under the cache: pretrained `gpt2`
+# (BPE tokenizer) and the offline architecture (character tokenizer) never share one, so a
+# machine that ran offline once still gets pretrained `gpt2` once the hub is reachable
+PRETRAINED_CACHE = "gpt2-pretrained-warm"
+OFFLINE_CACHE = "gpt2-124m-offline-warm"
 
 
 GPU_WARM_START_LR = 1e-4  # the tiny model's 1e-3 is too high for 124M parameters
@@ -116,18 +120,32 @@ def offline_gpt2_124m():
     return model, tokenizer
 
 
-def gpu_policy(cache_dir: Path = GPU_CACHE, pretrained: str = "gpt2"):
-    """GPT-2 124M warm-started on the task, built once and cached in `cache_dir`."""
-    if (cache_dir / "config.json").is_file():
+def gpu_policy(cache_root: Path | None = None, pretrained: str = "gpt2", **warm):
+    """GPT-2 124M warm-started on the task, built once and cached under `cache_root`
+    (default CACHE_DIR): pretrained `pretrained` (hub, its cache, or a save_pretrained
+    folder) in PRETRAINED_CACHE; where it cannot be loaded, the offline architecture in
+    OFFLINE_CACHE. `warm`: warm_start's options (the tests shorten it)."""
+    root = Path(cache_root) if cache_root is not None else CACHE_DIR
+    if (root / PRETRAINED_CACHE / "config.json").is_file():
+        return load_local(root / PRETRAINED_CACHE)
+    loaded = load_pretrained_gpt2(pretrained)
+    cache_dir = root / (PRETRAINED_CACHE if loaded else OFFLINE_CACHE)
+    if loaded is None and (cache_dir / "config.json").is_file():
         return load_local(cache_dir)
-    model, tokenizer = load_pretrained_gpt2(pretrained) or offline_gpt2_124m()
+    model, tokenizer = loaded or offline_gpt2_124m()
     if torch.cuda.is_available():
         model.cuda()
-    warm_start(model, tokenizer, lr=GPU_WARM_START_LR)
+    warm_start(model, tokenizer, **{"lr": GPU_WARM_START_LR, **warm})
     cache_dir.mkdir(parents=True, exist_ok=True)
     model.cpu().save_pretrained(cache_dir)
     tokenizer.save_pretrained(cache_dir)
     return model, tokenizer
+
+
+def gpu_cache_ready(cache_root: Path | None = None) -> bool:
+    """Whether a warm-started GPT-2 124M is cached (either kind)."""
+    root = Path(cache_root) if cache_root is not None else CACHE_DIR
+    return any((root / d / "config.json").is_file() for d in (PRETRAINED_CACHE, OFFLINE_CACHE))
 
 
 def load_policy(profile: str | None = None, model_path: str | Path | None = None):
@@ -144,7 +162,7 @@ def load_policy(profile: str | None = None, model_path: str | Path | None = None
                 "regenerate it with `python -m grpo_lab build-model`"
             )
         return load_local(TINY_MODEL_DIR)
-    if not torch.cuda.is_available() and not (GPU_CACHE / "config.json").is_file():
+    if not torch.cuda.is_available() and not gpu_cache_ready():
         raise ConfigError(
             "profile 'gpu' (GPT-2 124M) needs CUDA to warm-start the model, and none is "
             "available; use GRPO_LAB_PROFILE=cpu (the tiny GPT-2)"

@@ -124,7 +124,7 @@ def test_gpu_profile_without_cuda_is_a_clear_error(monkeypatch, tmp_path):
     import grpo_lab.policy as policy
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(policy, "GPU_CACHE", tmp_path / "none")
+    monkeypatch.setattr(policy, "CACHE_DIR", tmp_path / "none")
     with pytest.raises(ConfigError, match="GRPO_LAB_PROFILE=cpu"):
         load_policy("gpu")
 
