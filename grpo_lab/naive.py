@@ -1,6 +1,7 @@
 """What the naive preset switches on: the field reports' versions of the ratio and the
 clipped term, each selected by a config field (`clip_term='constant'`,
-`ratio_level='sequence'`; `ratio_against='reference'` needs no code of its own).
+`ratio_level='sequence'`; `ratio_against='reference'` needs no code of its own); and report
+003's KL "fix", which no config selects (notebook 09, the scenarios, the mystery runs).
 
 The correct versions are in objective.py; these have the same signatures so the trainer
 swaps one for the other at one place (`Trainer.surrogate`, `Trainer.ratio_inputs`).
@@ -48,3 +49,10 @@ def sequence_log_ratio_inputs(
     m = completion_mask.to(logp.dtype)
     summed = ((logp - old_logp) * m).sum(-1, keepdim=True)  # (B, 1)
     return summed.expand_as(logp), torch.zeros_like(old_logp)
+
+
+def report003_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Report 003's replacement for k3, per token: `delta = (ref - cur).clamp(-10, 10);
+    kl = delta.clamp(0, 10)`. Biased (its mean is not the KL; notebook 09 measures it), and
+    it drops every token the policy made more likely than the reference did."""
+    return (ref_logp - logp).clamp(-10, 10).clamp(0, 10)

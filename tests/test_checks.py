@@ -51,10 +51,6 @@ def _kl_wrong_sign(logp, ref_logp):
     return objective.kl_k3(ref_logp, logp)
 
 
-def _kl_report_003(logp, ref_logp):
-    return (ref_logp - logp).clamp(-10, 10).clamp(0, 10)
-
-
 def _raw_logits(logits, ids):
     return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
@@ -117,7 +113,7 @@ BUGS = [
     (checks.check_clipped_surrogate, naive.constant_clip_surrogate, "clip_ratio * advantage"),
     (checks.check_clipped_surrogate, _region_with_bounds, "use < and >, not <= and >="),
     (checks.check_kl_k3, _kl_wrong_sign, "wrong sign"),
-    (checks.check_kl_k3, _kl_report_003, "report 003"),
+    (checks.check_kl_k3, naive.report003_kl, "report 003"),
     (checks.check_token_logprobs, _raw_logits, "log_softmax"),
     (checks.check_position_ids_from_mask, _cumsum_positions, "position 0"),
     (checks.check_token_weights, _per_micro_batch_bnpo, "weights"),

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .. import naive
 from ..config import GRPOConfig
 from ..fast import fuse_gelu, fused_adamw
 from ..field.faults import INJECT_AT
@@ -178,7 +179,7 @@ def report003_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
     report logged) and 'kl_k3' (k3 on the same tokens: the drift it no longer shows)."""
     per_token, clipped = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
                                            cfg.epsilon_high, cfg.log_ratio_clamp)  # (B, C)
-    kl = (ref_logp - logp).clamp(-10, 10).clamp(0, 10)  # (B, C)
+    kl = naive.report003_kl(logp, ref_logp)  # (B, C)
     weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
     return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
