@@ -31,22 +31,37 @@ def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
 
     hook = model.transformer.register_forward_pre_hook(count_rows, with_kwargs=True)
 
-    def logits_and_grad(share: bool):
-        model.zero_grad(set_to_none=True)
+    def logits_and_grad(share: bool, net=model):
+        net.zero_grad(set_to_none=True)
         batch_sizes.clear()
         forward = shared_prompt_logits if share else completion_logits
-        logits = forward(model, ids, attn, C, 0.7)
+        logits = forward(net, ids, attn, C, 0.7)
         calls[share] = list(batch_sizes)
-        (logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1) * weights).sum().backward()
-        return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+        w = weights.to(logits.dtype)
+        (logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1) * w).sum().backward()
+        return logits.detach(), torch.cat([p.grad.flatten() for p in net.parameters()])
 
     calls = {}
     (full, g_full), (shared, g_shared) = logits_and_grad(False), logits_and_grad(True)
     hook.remove()
     distinct = len(set(r.prompt_index[rows].tolist()))
     assert calls[False] == [len(ids)] and calls[True] == [distinct, len(ids)], calls
-    assert ((full - shared).abs() * m[..., None]).max() < 1e-5
-    assert (g_full - g_shared).norm() / g_full.norm() < 1e-5
+    # The two paths are float32 computations of the same function with other batch shapes
+    # (other kernel blocking), so they round differently; neither is the reference. Against
+    # the float64 computation of the same forward and backward, the shared path must be as
+    # accurate as the plain one: its largest error within 4x the plain path's (the same
+    # number of roundings per output: errors of the same size, 4x leaves room for the spread
+    # of a maximum over entries), plus 4 u of the largest value where the plain path happens
+    # to be exact. A shared path that reused the wrong prompt or position is off by the
+    # logits' own size.
+    truth, g_truth = logits_and_grad(False, copy.deepcopy(model).double())
+    u = 2.0**-24
+    err_full = ((full.double() - truth).abs() * m[..., None]).max().item()
+    err_shared = ((shared.double() - truth).abs() * m[..., None]).max().item()
+    assert err_shared <= 4 * err_full + 4 * u * truth.abs().max().item(), (err_shared, err_full)
+    gerr_full = (g_full.double() - g_truth).norm().item()
+    gerr_shared = (g_shared.double() - g_truth).norm().item()
+    assert gerr_shared <= 4 * gerr_full + 4 * u * g_truth.norm().item(), (gerr_shared, gerr_full)
 
 
 def test_fused_gelu_is_the_same_function(tiny):
@@ -80,7 +95,14 @@ def test_fused_adamw_takes_the_plain_adamw_step(tiny):
         plain.step()
     diff = max((p - q).abs().max().item()
                for p, q in zip(model.parameters(), plain_model.parameters(), strict=True))
-    assert diff < 1e-6, diff
+    # Both apply AdamW elementwise (no reductions), the same ~10 float32 operations per
+    # entry in another order or fused: each differs by at most ~u = 2^-24 of the values it
+    # touches, the parameter (|p|) and the step lr * m_hat / (sqrt(v_hat) + eps), whose size
+    # is at most lr * (1 - beta1) / sqrt(1 - beta2) = 3.2 lr (Kingma & Ba 2015, section 2.1).
+    # Differences in m and v only move later steps by as little, so over the steps:
+    largest = max(p.abs().max().item() for p in plain_model.parameters())
+    bound = 3 * 10 * 2.0**-24 * (largest + 3.2 * 1e-3)
+    assert diff <= bound, (diff, bound)
     state = plain.state_dict()  # an unfused optimizer's checkpoint, loaded into a fused one
     fused.load_state_dict(state)
     assert fused.param_groups[0]["fused"] is None
