@@ -73,8 +73,15 @@ def test_fused_gelu_is_the_same_function(tiny):
     assert not any(isinstance(m, NewGELUActivation) for m in fused.modules())
     assert any(isinstance(m, NewGELUActivation) for m in model.modules())
     with torch.no_grad():
-        diff = (fused(ids).logits - model(ids).logits).abs().max().item()
-    assert diff < 1e-4, diff
+        plain, mine = model(ids).logits, fused(ids).logits
+        truth = copy.deepcopy(model).double()(ids).logits
+    # the same function in other float32 operations: against the float64 forward, the fused
+    # GELU's logits are as accurate as the five-op GELU's (within 4x its largest error, plus
+    # 4 u of the largest logit; see test_shared_prompt_forward_equals_the_full_one)
+    err_plain = (plain.double() - truth).abs().max().item()
+    err_fused = (mine.double() - truth).abs().max().item()
+    assert err_fused <= 4 * err_plain + 4 * 2.0**-24 * truth.abs().max().item(), (
+        err_fused, err_plain)
 
 
 def test_fused_adamw_takes_the_plain_adamw_step(tiny):
