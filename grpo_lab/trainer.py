@@ -345,38 +345,41 @@ class Trainer:
 
         mask = batch.rollout.completion_mask
         group_std = batch.rewards.view(-1, cfg.group_size).std(dim=1)
-        # sums over this rank's rows, then over ranks: the global batch's metrics
-        sums = distributed.all_reduce(torch.stack([
-            batch.rewards.sum(), (batch.rewards ** 2).sum(),
-            torch.tensor(float(len(batch.rewards)), device=self.device),
-            group_std.sum(), (group_std == 0).sum().float(),
-            torch.tensor(float(len(group_std)), device=self.device),
-            batch.rollout.truncated.sum().float(),
-            stats["loss"].float(), stats["kl"].float(), stats["clipped"].float(),
-            stats["entropy"].float(), mask.sum().float(),
-        ]), self.world).tolist()
-        (reward_sum, reward_sq_sum, n_rows, std_sum, n_zero_std, n_groups, n_truncated, loss,
-         kl_sum, clipped, entropy_sum, tokens) = sums
+        # sums over this rank's rows, then over ranks (one all_reduce, read back by name):
+        # the global batch's metrics
+        local = {
+            "reward_sum": batch.rewards.sum(), "reward_sq_sum": (batch.rewards ** 2).sum(),
+            "n_rows": torch.tensor(float(len(batch.rewards)), device=self.device),
+            "std_sum": group_std.sum(), "n_zero_std": (group_std == 0).sum().float(),
+            "n_groups": torch.tensor(float(len(group_std)), device=self.device),
+            "n_truncated": batch.rollout.truncated.sum().float(),
+            "loss": stats["loss"].float(), "kl_sum": stats["kl"].float(),
+            "clipped": stats["clipped"].float(), "entropy_sum": stats["entropy"].float(),
+            "tokens": mask.sum().float(),
+        }
+        s = dict(zip(local, distributed.all_reduce(torch.stack(list(local.values())),
+                                                   self.world).tolist(), strict=True))
+        reward_sum, n_rows, n_groups, tokens = s["reward_sum"], s["n_rows"], s["n_groups"], s["tokens"]
         n_tokens = max(tokens, 1.0)
         max_log_ratio = distributed.all_reduce(
             stats["max_log_ratio"].detach().float().clone(), self.world, distributed.dist.ReduceOp.MAX
         ).item()
         reward_mean = reward_sum / n_rows
         # TRL's reward_std: the std of all the batch's rewards (Bessel-corrected)
-        reward_var = max(reward_sq_sum - n_rows * reward_mean**2, 0.0) / max(n_rows - 1, 1.0)
+        reward_var = max(s["reward_sq_sum"] - n_rows * reward_mean**2, 0.0) / max(n_rows - 1, 1.0)
         metrics = {
             "step": self.step_count,
             "reward": reward_mean,
             "reward_std": math.sqrt(reward_var),
-            "reward_std/group_mean": std_sum / n_groups,
-            "frac_reward_zero_std": n_zero_std / n_groups,
-            "loss": loss,
-            "kl": kl_sum / n_tokens,
-            "clip_ratio/region_mean": clipped / n_tokens,
+            "reward_std/group_mean": s["std_sum"] / n_groups,
+            "frac_reward_zero_std": s["n_zero_std"] / n_groups,
+            "loss": s["loss"],
+            "kl": s["kl_sum"] / n_tokens,
+            "clip_ratio/region_mean": s["clipped"] / n_tokens,
             "grad_norm": self.last_grad_norm,
-            "entropy": entropy_sum / n_tokens,
+            "entropy": s["entropy_sum"] / n_tokens,
             "completions/mean_length": tokens / n_rows,
-            "completions/clipped_ratio": n_truncated / n_rows,
+            "completions/clipped_ratio": s["n_truncated"] / n_rows,
             "log_ratio/max_abs": max_log_ratio,
             "skipped": skipped,
             "rolled_back": rolled_back,
