@@ -116,8 +116,35 @@ class Trainer:
         (the fused GELU and each prompt's forward run once per group): the forwards are
         then the plain ones of objective.py, which a hand-written step computes bit for bit
         (notebook 11 compares the two)."""
-        self.cfg = cfg
-        self.fast = fast
+        self.cfg, self.fast = cfg, fast
+        self._join_processes()
+        if model is None:
+            model, tokenizer = load_policy(cfg.profile, cfg.model_path)
+        elif tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        self._check_fits(model)
+        self._build_models(model, tokenizer)
+        self.optimizer = fused_adamw(
+            self.policy.parameters(), self.device, lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.amp == "fp16" else None
+        self.reward_fn = reward_fn
+        self.stream = ProblemStream(cfg.seed)
+        self.eval_set = eval_problems(cfg.eval_size)
+        # the loop's state
+        self.step_count = 0
+        self.recent_grad_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.first_bad_grad: str | None = None  # recorded before a skip clears the grads
+        self.last_nonfinite_params = 0
+        self.end_step = cfg.steps
+        self.history: list[dict] = []
+        self.snapshot = Snapshot(self.policy, self.optimizer, 0) if cfg.health_check else None
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+
+    def _join_processes(self) -> None:
+        """The process group (one process: none), this rank's device, and the seeds."""
+        cfg = self.cfg
         world_size = distributed.world_from_env().world_size
         if cfg.prompts_per_step % world_size:
             raise ConfigError(
@@ -127,24 +154,28 @@ class Trainer:
         device = requested_device(cfg.device, cfg.profile)
         self.world, rank_device = distributed.setup(device)
         self.device = rank_device or resolve_device(device)
-        # ranks sample different completions; prompts come from the shared stream below
+        # ranks sample different completions; prompts come from the shared stream
         torch.manual_seed(cfg.seed + self.world.rank)
         random.seed(cfg.seed)
-        if model is None:
-            model, tokenizer = load_policy(cfg.profile, cfg.model_path)
-        elif tokenizer is None:
-            raise ValueError("pass the tokenizer together with the model")
+
+    def _check_fits(self, model) -> None:
+        """A prompt and its completion must fit the model's positions."""
         # every task prompt has at most 6 characters, and no tokenizer makes more tokens than that
         longest = len(make_problem(MAX_OPERAND, MAX_OPERAND).prompt)
         n_positions = getattr(model.config, "n_positions", None)
-        if n_positions is not None and longest + cfg.max_new_tokens > n_positions:
+        if n_positions is not None and longest + self.cfg.max_new_tokens > n_positions:
             raise ConfigError(
                 f"GRPOConfig.max_new_tokens must be <= {n_positions - longest} for this model "
                 f"(prompts up to {longest} tokens, {n_positions} positions; got "
-                f"{cfg.max_new_tokens})"
+                f"{self.cfg.max_new_tokens})"
             )
+
+    def _build_models(self, model, tokenizer) -> None:
+        """The policy on this rank's device, the frozen reference, the module the training
+        forward runs through, and the surrogate the config chooses."""
+        cfg = self.cfg
         self.policy = disable_dropout(model.to(self.device)).train()
-        if fast:
+        if self.fast:
             fuse_gelu(self.policy)  # fast.py
         if cfg.gradient_checkpointing:
             # only active in train mode: sampling runs in eval mode, with its KV cache
@@ -158,7 +189,7 @@ class Trainer:
         # group share their prompt's forward (fast.py) except under activation
         # checkpointing, which drops the KV cache that needs
         self.model = CompletionLogits(self.policy,
-                                      share_prompts=fast and not cfg.gradient_checkpointing)
+                                      share_prompts=self.fast and not cfg.gradient_checkpointing)
         # the field reports' variants, when the config asks for them (naive.py)
         self.surrogate = (
             clipped_surrogate if cfg.clip_term == "clipped_ratio" else naive.constant_clip_surrogate
@@ -167,22 +198,6 @@ class Trainer:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.optimizer = fused_adamw(
-            self.policy.parameters(), self.device, lr=cfg.learning_rate,
-            weight_decay=cfg.weight_decay,
-        )
-        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.amp == "fp16" else None
-        self.reward_fn = reward_fn
-        self.stream = ProblemStream(cfg.seed)
-        self.eval_set = eval_problems(cfg.eval_size)
-        self.step_count = 0
-        self.recent_grad_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
-        self.first_bad_grad: str | None = None  # recorded before a skip clears the grads
-        self.last_nonfinite_params = 0
-        self.end_step = cfg.steps
-        self.history: list[dict] = []
-        self.snapshot = Snapshot(self.policy, self.optimizer, 0) if cfg.health_check else None
-        self.out_dir = Path(out_dir) if out_dir is not None else None
 
     # ---- one step ------------------------------------------------------------------------
     def _autocast(self):
