@@ -51,6 +51,25 @@ def sequence_log_ratio_inputs(
     return summed.expand_as(logp), torch.zeros_like(old_logp)
 
 
+def reported_surrogate(logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
+                       completion_mask: torch.Tensor, epsilon_low: float = 0.2,
+                       log_ratio_clamp: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Report 001's policy loss per token, as the course reads it (notebook 05): the
+    log-ratio against the *reference*, summed over each completion (optionally clamped, the
+    reports' first fix), `exp`, and the constant clip term -min(r A, eps_low A). The naive
+    preset's Trainer computes the same number token by token (sequence_log_ratio_inputs,
+    then constant_clip_surrogate); here it is one number per row, as the learner writes it,
+    so a gradient sums over the row in the learner's order.
+    Returns ((B, 1) per-row loss, broadcast over the row's tokens; (B, 1) summed log-ratio)."""
+    m = completion_mask.to(logp.dtype)
+    log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)  # (B, 1), against the reference
+    clamped = log_ratio if log_ratio_clamp is None else log_ratio.clamp(-log_ratio_clamp,
+                                                                         log_ratio_clamp)
+    adv = advantages.unsqueeze(-1)  # (B, 1)
+    return -torch.min(torch.exp(clamped) * adv, epsilon_low * adv), log_ratio
+
+
 def report003_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Report 003's replacement for k3, per token: `delta = (ref - cur).clamp(-10, 10);
     kl = delta.clamp(0, 10)`. Biased (its mean is not the KL; notebook 09 measures it), and

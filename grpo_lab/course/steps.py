@@ -162,10 +162,8 @@ def reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
     the log-ratio against the *reference*, summed over each completion, `exp` without a
     clamp, and the clipped term the constant clip range: -min(r A, eps_low A); plus
     beta * k3. stats: 'kl' and 'log_ratio/max_abs' (the largest |summed log-ratio|)."""
-    m = completion_mask.float()
-    log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)  # (B, 1), against the reference
-    adv = advantages.detach().unsqueeze(-1)  # (B, 1)
-    per_token = -torch.min(torch.exp(log_ratio) * adv, cfg.epsilon_low * adv)  # (B, C)
+    per_token, log_ratio = naive.reported_surrogate(  # (B, 1) each: one ratio per row
+        logp, ref_logp, advantages.detach(), completion_mask, cfg.epsilon_low)
     kl = kl_k3(logp, ref_logp)  # (B, C)
     weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
@@ -190,11 +188,9 @@ def report003_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
 def clamped_reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
     """reported_loss with the reports' first fix (notebook 06): the summed log-ratio clamped
     to [-cfg.log_ratio_clamp, cfg.log_ratio_clamp] before `exp`, so it cannot overflow."""
-    m = completion_mask.float()
-    log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)  # (B, 1), against the reference
-    c = cfg.log_ratio_clamp if cfg.log_ratio_clamp is not None else math.inf
-    adv = advantages.detach().unsqueeze(-1)  # (B, 1)
-    per_token = -torch.min(torch.exp(log_ratio.clamp(-c, c)) * adv, cfg.epsilon_low * adv)
+    per_token, log_ratio = naive.reported_surrogate(
+        logp, ref_logp, advantages.detach(), completion_mask, cfg.epsilon_low,
+        cfg.log_ratio_clamp if cfg.log_ratio_clamp is not None else math.inf)
     kl = kl_k3(logp, ref_logp)  # (B, C)
     weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
