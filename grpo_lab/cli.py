@@ -450,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--steps must be >= 1 (got {args.steps})")
             try:
                 return mystery(args.out, args.secret, args.steps)
-            except FileExistsError as e:
-                raise UsageError(str(e)) from None
+            except OSError as e:  # the folder exists, is a file, or cannot be written
+                raise UsageError(f"--out: {e}") from None
         if args.command == "labs":
             from .course.labs import main as labs
 

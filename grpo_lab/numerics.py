@@ -41,6 +41,23 @@ def sum_error_bound(n: int, unit_roundoff: float = UNIT_ROUNDOFF, lam: float = L
     return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
 
 
+AS_ACCURATE = 4.0  # see as_accurate_bound
+
+
+def as_accurate_bound(plain_error: float, scale: float) -> float:
+    """How far from the float64 truth a float32 computation may be that claims to be as
+    accurate as a plain float32 computation of the same function whose error is
+    `plain_error`: AS_ACCURATE times that error, plus AS_ACCURATE u of `scale` (the largest
+    true value, or the true vector's norm) for where the plain one happens to be exact.
+
+    A modelling choice, not a worst case: the two run the same number of roundings per
+    output in another order or blocking, so their errors are of one size; the factor leaves
+    room for the spread of a maximum over many entries. A computation that is wrong (a
+    misaligned position, a missing temperature, another prompt's cache) is off by the
+    values' own size, far beyond it."""
+    return AS_ACCURATE * plain_error + AS_ACCURATE * UNIT_ROUNDOFF * scale
+
+
 def adamw_first_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                      **adamw_args) -> dict[str, torch.Tensor]:
     """The parameters after one AdamW step from `params` with gradients `grads`, run by

@@ -50,7 +50,7 @@ def test_nothing_a_learner_gets_holds_the_key(runs, key):
     assert len(calls) == len(key) and all(set(v.values()) == {None} for v in calls)
     assert all(not c.get("outputs") for c in lab["cells"] if c["cell_type"] == "code")
 
-    words = set(d.CAUSES) | set(d.FIXES) - {"none"}
+    words = set(d.CAUSES) | (set(d.FIXES) - {"none"})  # "none" is an English word
     line = re.compile(r"training 60 steps: .+|step 0: eval accuracy [\d.]+|step \d+: reward "
                       r"[\d.]+, loss -?[\d.]+, kl [\d.]+(, eval accuracy [\d.]+)?|done: 60 "
                       r"steps|(step \d+|the evaluation at step 0) failed: \w+: .+")
@@ -81,7 +81,7 @@ def test_random_answers_score_what_expected_random_score_says(key):
         for cause, fix in itertools.product(d.CAUSES, d.FIXES):
             total += d.score_run({"cause": cause, "fix": fix, "evidence": evidence}, truth)[0]
     mean = total / (len(d.CAUSES) * len(d.FIXES) * len(key) * d.POINTS)
-    assert mean == pytest.approx(d.expected_random_score(key)) == pytest.approx(0.1)
+    assert mean == pytest.approx(d.expected_random_score()) == pytest.approx(0.1)
     constant = {c: sum(d.score_run({"cause": c, "fix": d.FIX_OF[c], "evidence": evidence}, t)[0]
                        for t in key.values()) for c in d.CAUSES}
     assert max(constant, key=constant.get) == "healthy" and constant["healthy"] == 6
@@ -121,11 +121,11 @@ def test_the_grader_scores_the_capstone_against_its_key(tmp_path, key):
     hostile = ("diagnoses = {}\n" + "\n".join(
         f'diagnoses["{n}"] = diagnose("{n}", cause=open({str(canary)!r}, "w").write("x"), '
         'fix="none", evidence="x")' for n in d.RUN_NAMES))
-    paths = [_submission(tmp_path, "solved", cell), LAB.parent / LAB.name,
+    untouched = tmp_path / "untouched" / LAB.name
+    untouched.parent.mkdir()
+    untouched.write_bytes(LAB.read_bytes())
+    paths = [_submission(tmp_path, "solved", cell), untouched,
              _submission(tmp_path, "hostile", hostile)]
-    paths[1] = tmp_path / "untouched" / LAB.name
-    paths[1].parent.mkdir()
-    paths[1].write_bytes(LAB.read_bytes())
     out = tmp_path / "grades.json"
     assert grade.main([str(p) for p in paths], str(out), None,
                       journal=str(tmp_path / "j.jsonl")) == 0
@@ -135,7 +135,9 @@ def test_the_grader_scores_the_capstone_against_its_key(tmp_path, key):
     assert sum(r["points"] for r in by["solved"]) == 30 == sum(r["max_points"] for r in by["solved"])
     assert sum(r["points"] for r in by["untouched"]) == 0
     assert {r["status"] for r in by["untouched"]} == {"not implemented"}
-    assert sum(r["points"] for r in by["hostile"]) <= 2 * 1 and not canary.exists()
+    # the hostile cause is no cause: only fix="none" scores, on the healthy runs
+    healthy = sum(v["cause"] == "healthy" for v in key.values())
+    assert sum(r["points"] for r in by["hostile"]) == healthy and not canary.exists()
     assert all("cause must be one of" in r["reason"] for r in by["hostile"])
 
     other = {n: {"cause": "healthy", "fix": "none"} for n in d.RUN_NAMES}
@@ -144,7 +146,6 @@ def test_the_grader_scores_the_capstone_against_its_key(tmp_path, key):
     out2 = tmp_path / "grades2.json"
     assert grade.main([str(paths[0])], str(out2), None, journal=str(tmp_path / "j.jsonl"),
                       mystery_key=str(key_file)) == 0
-    healthy = sum(v["cause"] == "healthy" for v in key.values())
     assert sum(r["points"] for r in json.loads(out2.read_text())) == healthy * 3
     key_file.write_text("[1, 2]")
     assert grade.main([str(paths[0])], None, None, journal=str(tmp_path / "j2.jsonl"),
@@ -170,8 +171,8 @@ SYMPTOMS = {
                            and ms[3]["log_ratio/max_abs"] > 0.05),
     "step-inside": (1, lambda ms, log: ms[1]["kl"] > 0),
     "lr-100x": (3, lambda ms, log: max(m.get("kl", 0) for m in ms) > 0.5),
-    "nan-rewards": (12, lambda ms, log: any(m.get("reward", 0) != m.get("reward", 0)
-                                           or m.get("reward", 1) is None for m in ms)
+    # a NaN reward is written as null (metrics.jsonl is strict JSON)
+    "nan-rewards": (12, lambda ms, log: any("reward" in m and m["reward"] is None for m in ms)
                     and "failed" in log),
 }
 
@@ -206,6 +207,21 @@ def test_mystery_refuses_a_used_folder_and_a_bad_step_count(tmp_path, capsys):
     assert cli(["mystery", "--out", str(tmp_path / "new"), "--steps", "0"]) == 2
     err = capsys.readouterr().err
     assert "exists: choose an empty --out folder" in err and "--steps must be >= 1" in err
+    (tmp_path / "a-file").write_text("x")
+    assert cli(["mystery", "--out", str(tmp_path / "a-file")]) == 2
+    assert "--out: " in capsys.readouterr().err
+
+
+def test_load_runs_names_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        d.load_runs(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="holds no runs"):
+        d.load_runs(tmp_path)
+    (tmp_path / "A").mkdir()
+    (tmp_path / "A" / "metrics.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match="A is not a mystery run: it has no log.txt, "
+                                                "config.json"):
+        d.load_runs(tmp_path)
 
 
 def test_diagnose_checks_the_form_in_the_learners_terms(capsys):

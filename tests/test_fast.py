@@ -7,6 +7,7 @@ import torch
 from transformers.activations import NewGELUActivation
 
 from grpo_lab.fast import fuse_gelu, fused_adamw, keep_fused, shared_prompt_logits
+from grpo_lab.numerics import as_accurate_bound
 from grpo_lab.objective import completion_logits
 from grpo_lab.sampling import sample_group
 
@@ -49,19 +50,16 @@ def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
     # The two paths are float32 computations of the same function with other batch shapes
     # (other kernel blocking), so they round differently; neither is the reference. Against
     # the float64 computation of the same forward and backward, the shared path must be as
-    # accurate as the plain one: its largest error within 4x the plain path's (the same
-    # number of roundings per output: errors of the same size, 4x leaves room for the spread
-    # of a maximum over entries), plus 4 u of the largest value where the plain path happens
-    # to be exact. A shared path that reused the wrong prompt or position is off by the
-    # logits' own size.
+    # accurate as the plain one (numerics.as_accurate_bound).
     truth, g_truth = logits_and_grad(False, copy.deepcopy(model).double())
-    u = 2.0**-24
     err_full = ((full.double() - truth).abs() * m[..., None]).max().item()
     err_shared = ((shared.double() - truth).abs() * m[..., None]).max().item()
-    assert err_shared <= 4 * err_full + 4 * u * truth.abs().max().item(), (err_shared, err_full)
+    assert err_shared <= as_accurate_bound(err_full, truth.abs().max().item()), (
+        err_shared, err_full)
     gerr_full = (g_full.double() - g_truth).norm().item()
     gerr_shared = (g_shared.double() - g_truth).norm().item()
-    assert gerr_shared <= 4 * gerr_full + 4 * u * g_truth.norm().item(), (gerr_shared, gerr_full)
+    assert gerr_shared <= as_accurate_bound(gerr_full, g_truth.norm().item()), (
+        gerr_shared, gerr_full)
 
 
 def test_fused_gelu_is_the_same_function(tiny):
@@ -76,11 +74,10 @@ def test_fused_gelu_is_the_same_function(tiny):
         plain, mine = model(ids).logits, fused(ids).logits
         truth = copy.deepcopy(model).double()(ids).logits
     # the same function in other float32 operations: against the float64 forward, the fused
-    # GELU's logits are as accurate as the five-op GELU's (within 4x its largest error, plus
-    # 4 u of the largest logit; see test_shared_prompt_forward_equals_the_full_one)
+    # GELU's logits are as accurate as the five-op GELU's (numerics.as_accurate_bound)
     err_plain = (plain.double() - truth).abs().max().item()
     err_fused = (mine.double() - truth).abs().max().item()
-    assert err_fused <= 4 * err_plain + 4 * 2.0**-24 * truth.abs().max().item(), (
+    assert err_fused <= as_accurate_bound(err_plain, truth.abs().max().item()), (
         err_fused, err_plain)
 
 

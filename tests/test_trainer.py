@@ -10,7 +10,7 @@ import torch
 
 from grpo_lab.config import LOSS_TYPES, GRPOConfig, preset
 from grpo_lab.models import frozen_copy
-from grpo_lab.numerics import sum_error_bound
+from grpo_lab.numerics import UNIT_ROUNDOFF, as_accurate_bound, sum_error_bound
 from grpo_lab.objective import completion_logprobs
 from grpo_lab.sampling import sample_group
 from grpo_lab.trainer import Trainer, micro_batch_slices, read_metrics, without_timing
@@ -74,7 +74,7 @@ def test_accumulated_gradient_equals_full_batch(tiny, loss_type, beta):
     loss_error_full = abs(full["loss"].item() - true_loss)
     for k, loss in losses.items():
         assert abs(loss - true_loss) <= 2 * loss_error_full + 2 * sum_error_bound(k) * \
-            loss_parts[k] + 4 * 2.0**-24 * abs(true_loss), (loss_type, k, loss, true_loss)
+            loss_parts[k] + 4 * UNIT_ROUNDOFF * abs(true_loss), (loss_type, k, loss, true_loss)
     error_full = (g_full.double() - truth).norm().item()
     assert error_full < 1e-4 * truth.norm().item(), "the full-batch gradient is not float32's"
     for k, g_acc in accumulated.items():
@@ -102,12 +102,11 @@ def test_training_logprobs_match_sampling_logprobs(tiny, temperature):
     truth = completion_logprobs(copy.deepcopy(model).double(), *args) * rollout.completion_mask
     # generate() computes them one token at a time with a KV cache, the training forward all
     # at once: float32 both, rounded differently. Against the float64 forward, the sampler's
-    # are as accurate as the training path's (within 4x its largest error, plus 4 u of the
-    # largest log-prob: the argument of test_fast's shared-prompt test); a misaligned
+    # are as accurate as the training path's (numerics.as_accurate_bound); a misaligned
     # position or a missing temperature is off by the log-probs' own size
     err_train = (recomputed.double() - truth).abs().max().item()
     err_sampler = (rollout.sampling_logprobs.double() - truth).abs().max().item()
-    assert err_sampler <= 4 * err_train + 4 * 2.0**-24 * truth.abs().max().item(), (
+    assert err_sampler <= as_accurate_bound(err_train, truth.abs().max().item()), (
         err_sampler, err_train)
 
 

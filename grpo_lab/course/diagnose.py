@@ -151,8 +151,6 @@ def make_run(cause: str, seed: int, out: str | Path, steps: int | None = None) -
     claimed = {k: v for k, v in cfg.to_dict().items() if k in RUN_CONFIG or k in (
         "prompts_per_step", "group_size", "max_new_tokens", "loss_type", "epsilon_low",
         "epsilon_high")}
-    claimed.pop("steps", None)
-    claimed["steps"] = cfg.steps
     (out / CONFIG).write_text(json.dumps(claimed, indent=1, sort_keys=True) + "\n")
     log = [f"training {cfg.steps} steps: {cfg.prompts_per_step} prompts x {cfg.group_size} "
            f"completions per step, {cfg.grad_accum_steps} micro-batches, lr "
@@ -199,16 +197,19 @@ BASELINE = "baseline"  # a healthy run, labelled as one: what the others compare
 BASELINE_SEED = 0
 
 
-def make_runs(out: str | Path, secret: int | None = None, steps: int | None = None) -> dict:
+def make_runs(out: str | Path, secret: int | None = None, steps: int | None = None,
+              log=print) -> dict:
     """Every run of a secret's set under out/runs/<name>, beside the labelled healthy run
     out/runs/baseline; the key goes to out/key.json (the instructor's: hand out only
-    out/runs). Returns the key."""
+    out/runs). `log` gets a line as each run is done (about 7 s each). Returns the key."""
     secret = secrets.randbits(63) if secret is None else secret
     key = draw_key(secret)
     out = Path(out)
-    make_run("healthy", BASELINE_SEED, out / "runs" / BASELINE, steps)
-    for name, entry in key.items():
-        make_run(entry["cause"], entry["seed"], out / "runs" / name, steps)
+    jobs = [(BASELINE, "healthy", BASELINE_SEED)] + [
+        (name, e["cause"], e["seed"]) for name, e in key.items()]
+    for i, (name, cause, seed) in enumerate(jobs, 1):
+        make_run(cause, seed, out / "runs" / name, steps)
+        log(f"[mystery] run {name} written ({i} of {len(jobs)})")
     (out / "key.json").write_text(json.dumps({"secret": secret, "runs": key}, indent=1) + "\n")
     return key
 
@@ -248,12 +249,21 @@ class Run:
 def load_runs(folder: str | Path | None = None) -> dict[str, Run]:
     """The runs under `folder` (default: the set shipped with the course), by name."""
     folder = Path(folder) if folder is not None else SHIPPED_RUNS
+    if not folder.is_dir():
+        raise FileNotFoundError(f"load_runs: {folder} is not a folder; give the runs/ folder "
+                                "of a mystery set (python -m grpo_lab mystery --out DIR "
+                                "writes DIR/runs)")
     runs = {}
     for d in sorted(p for p in folder.iterdir() if p.is_dir()):
+        missing = [f for f in (METRICS, LOG, CONFIG) if not (d / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"load_runs: {d} is not a mystery run: it has no "
+                                    f"{', '.join(missing)}")
         runs[d.name] = Run(d.name, read_metrics(d), (d / LOG).read_text(),
                            json.loads((d / CONFIG).read_text()))
     if not runs:
-        raise FileNotFoundError(f"{folder}: no runs (folders with {METRICS}) there")
+        raise FileNotFoundError(f"load_runs: {folder} holds no runs (folders with {METRICS}, "
+                                f"{LOG} and {CONFIG})")
     return runs
 
 
@@ -391,11 +401,12 @@ def score_run(answer: dict, truth: dict) -> tuple[int, str]:
     return points, ", ".join(why)
 
 
-def expected_random_score(key: dict[str, dict]) -> float:
+def expected_random_score() -> float:
     """The expected fraction of the points of answers drawn uniformly from CAUSES and
-    FIXES with a well-formed evidence sentence: per run (1/|CAUSES|) * 2 + 1/|FIXES|, of 3."""
-    per_run = (2 / len(CAUSES) + 1 / len(FIXES)) / 3
-    return per_run if key else 0.0
+    FIXES with a well-formed evidence sentence, for any key: per run 1/|CAUSES| for the
+    cause, as much again for the evidence (it counts only with the right cause), and
+    1/|FIXES| for the fix, of 3."""
+    return (2 / len(CAUSES) + 1 / len(FIXES)) / 3
 
 
 def main(out: str, secret: int | None = None, steps: int | None = None) -> int:

@@ -243,8 +243,8 @@ COURSE_KEY_NOTEBOOK = "13_diagnose_the_run.ipynb"
 
 def load_mystery_key(path: str | None) -> dict | None:
     """{run: {cause, fix}} of the mystery set being graded: `path` (a key.json written by
-    `python -m grpo_lab mystery`), else the answers of solutions/13 in the course checkout this package runs from, else
-    None (diagnoses are then not graded, with the reason)."""
+    `python -m grpo_lab mystery`), else the answers of solutions/13 in the course checkout
+    this package runs from, else None (diagnoses are then not graded, with the reason)."""
     if path:
         data = json.loads(Path(path).read_text())
         runs = data.get("runs", data) if isinstance(data, dict) else None

@@ -371,7 +371,8 @@ def diagnosis_specs(nb, where: str = "") -> list[dict]:
         if cell.cell_type != "code" or "### BEGIN DIAGNOSIS" not in cell.source:
             continue
         for run, values in predict_calls(cell.source, "diagnose"):
-            problem = diagnose.form_problem(run, **values)
+            problem = diagnose.form_problem(run, values.get("cause"), values.get("fix"),
+                                            values.get("evidence"))
             if problem:
                 raise ValueError(f"{where} cell {i}: diagnose({run!r}): {problem}")
             out.append({"run": run, "cell_id": cell.get("id"), "cell_index": i,
