@@ -137,8 +137,8 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
     import signal
     import time
 
-    common = ["--preset", "stable", "--steps", "16", "--seed", "3", "--checkpoint-every", "5",
-              "--eval-every", "8", "--eval-size", "32", "--no-progress"]
+    common = ["--preset", "stable", "--steps", "8", "--seed", "3", "--checkpoint-every", "3",
+              "--eval-every", "4", "--eval-size", "32", "--no-progress"]
     whole = tmp_path / "whole"
     assert run("train", *common, "--out", str(whole)).returncode == 0
 
@@ -148,16 +148,16 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 120
-    while time.time() < deadline:  # kill once step 12 is logged: past the step-10 checkpoint
+    while time.time() < deadline:  # kill once step 5 is logged: past the step-3 checkpoint
         lines = (killed / "metrics.jsonl").read_text().splitlines() \
             if (killed / "metrics.jsonl").exists() else []
-        if len(lines) >= 13:
+        if len(lines) >= 6:
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert len(metrics(killed)) < 17, "the run finished before it was killed"
+    assert len(metrics(killed)) < 9, "the run finished before it was killed"
     assert not (killed / "checkpoint.pt.tmp").exists() or (killed / "checkpoint.pt").exists()
 
     p = run("train", "--out", str(killed), "--resume", "--no-progress")

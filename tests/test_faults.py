@@ -52,9 +52,12 @@ def test_empty_micro_batch_is_refused_by_the_config():
     assert "RuntimeError" in naive
 
 
-def test_every_bad_input_is_rejected_with_one_line():
+def test_every_bad_input_is_rejected_with_one_line(monkeypatch):
+    """Each case through `cli.main` in this process (test_cli runs the same rejection path
+    in a subprocess for its own cases: exit code 2, one line on stderr)."""
+    monkeypatch.setenv("GRPO_LAB_PROFILE", "cpu")
     lines = []
-    ok, total = reliability.check_bad_inputs(lines.append)
+    ok, total = reliability.check_bad_inputs(lines.append, reliability.cli_in_this_process)
     assert total >= 60
     assert ok == total, "\n".join(line for line in lines if "FAIL" in line)
 

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -92,7 +94,28 @@ def bad_inputs() -> list[tuple[list[str], str]]:
     return cases
 
 
-def check_bad_inputs(log) -> tuple[int, int]:
+def cli_in_a_process(args: list[str], env: dict) -> tuple[int, str]:
+    """`python -m grpo_lab ARGS` as a user runs it: (exit code, stderr)."""
+    p = subprocess.run([sys.executable, "-m", "grpo_lab", *args], capture_output=True,
+                       text=True, timeout=120, env=env)
+    return p.returncode, p.stderr
+
+
+def cli_in_this_process(args: list[str], env: dict) -> tuple[int, str]:
+    """The same command through `cli.main` here, without a new interpreter (its start-up
+    is most of the time a rejected input takes); `env` is not applied."""
+    from .. import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli.main(args)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code if isinstance(e.code, int) else 1
+    return code, err.getvalue()
+
+
+def check_bad_inputs(log, run_cli=cli_in_a_process) -> tuple[int, int]:
     cases = bad_inputs()
     ok = 0
     env = {**os.environ, "GRPO_LAB_PROFILE": "cpu"}
@@ -102,14 +125,13 @@ def check_bad_inputs(log) -> tuple[int, int]:
                 path = Path(tmp) / f"config{i}.json"
                 path.write_text(args[1].removeprefix("CONFIG:"))
                 args = ["--config", str(path)]
-            cmd = [sys.executable, "-m", "grpo_lab", "train", "--preset", "stable", "--out",
-                   str(Path(tmp) / f"run{i}"), "--steps", "1", *args]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-            lines = p.stderr.strip().splitlines()
-            good = p.returncode == 2 and len(lines) == 1 and needle in lines[0]
+            code, stderr = run_cli(["train", "--preset", "stable", "--out",
+                                    str(Path(tmp) / f"run{i}"), "--steps", "1", *args], env)
+            lines = stderr.strip().splitlines()
+            good = code == 2 and len(lines) == 1 and needle in lines[0]
             ok += good
             log(f"  {'ok  ' if good else 'FAIL'} bad input {' '.join(args)[:50]}: "
-                f"exit {p.returncode}, {lines[-1][:90] if lines else '(nothing on stderr)'}")
+                f"exit {code}, {lines[-1][:90] if lines else '(nothing on stderr)'}")
     return ok, len(cases)
 
 
