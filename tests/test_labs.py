@@ -131,3 +131,26 @@ def test_hint_gives_the_idea_then_the_shape_then_says_that_was_all(capsys, monke
         hints.hint("token_weight")
     with pytest.raises(ValueError, match="level must be 1"):
         hints.hint("kl_k3", level=3)
+
+
+@pytest.mark.parametrize("edition", ["labs", "solutions"])
+def test_a_notebook_opened_without_the_package_says_what_to_install(edition):
+    """Opened where grpo_lab is not installed (a notebook service, another kernel), each
+    notebook's first cell stops with one line that says how to install it, not with a
+    traceback from deep inside an import."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / edition).glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        first = "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
+        # -I -S: no site-packages, so no grpo_lab (nor torch) for this Python
+        p = subprocess.run([sys.executable, "-I", "-S", "-c", first], capture_output=True,
+                           text=True, timeout=60, cwd=path.parent)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 1 and last.startswith(
+            "ModuleNotFoundError: grpo_lab is not installed"), (path.name, p.stderr[-500:])
+        assert "./course lab" in last and "%pip install" in last, path.name

@@ -198,7 +198,14 @@ def test_load_yours_falls_back_to_the_reference_and_says_why(tmp_path, capsys):
     out = capsys.readouterr().out
     assert fn.__module__ == "grpo_lab.objective" and "fails its check" in out
     load_yours("kl_k3", folder=tmp_path / "nowhere")
-    assert "is not in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "is not in" in out
+    # one line says where it looked and how to point it at the notebooks
+    where = [line for line in out.splitlines() if line.startswith("load_yours reads")]
+    assert len(where) == 1 and str((tmp_path / "nowhere").resolve()) in where[0]
+    assert "03_the_grpo_objective.ipynb" in where[0] and "folder=" in where[0]
+    load_yours("group_advantages", folder=tmp_path)  # found there: no such line
+    assert "load_yours reads" not in capsys.readouterr().out
 
 
 def test_the_grader_checks_whole_steps_in_its_sandbox(tmp_path):

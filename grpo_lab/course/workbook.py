@@ -43,6 +43,7 @@ class _Loader:
         self.index = exercise_index()
         self.namespaces: dict[str, dict] = {}
         self.verdicts: dict[str, tuple[str, str]] = {}  # function -> (status, why)
+        self.missing: list[str] = []  # notebook files not in `folder`
 
     def function(self, name: str):
         if name not in self.index:
@@ -64,6 +65,7 @@ class _Loader:
             cells = read_cells(path.read_bytes())
         except FileNotFoundError:
             problem = f"{notebook} is not in {self.folder}"
+            self.missing.append(notebook)
         except Exception as e:  # noqa: BLE001 - any unreadable file: the reference runs
             problem = f"{notebook} could not be read ({type(e).__name__}: {e})"
         found: dict = {}
@@ -137,5 +139,11 @@ def load_yours(*names: str, folder: str | Path | None = None, quiet: bool = Fals
             icon = "✅" if status == "yours" else "⏳" if "not implemented" in why else "❌"
             print(f"{icon} {n:<{width}}  (notebook {nb}): "
                   + ("yours" if status == "yours" else f"the reference runs: {why}"))
+        if loader.missing:
+            where = ("the current folder: where Jupyter runs this notebook" if folder is None
+                     else "the folder you passed")
+            print(f"load_yours reads your earlier notebooks from {loader.folder.resolve()} "
+                  f"({where}); not there: {', '.join(loader.missing)}. Keep your notebooks in "
+                  "one folder with their course names, or pass folder='path/to/them'.")
     return out[0] if len(out) == 1 else tuple(out)
 
