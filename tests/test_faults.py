@@ -52,12 +52,30 @@ def test_empty_micro_batch_is_refused_by_the_config():
     assert "RuntimeError" in naive
 
 
+def cli_in_this_process(args: list[str], env: dict) -> tuple[int, str]:
+    """`python -m grpo_lab ARGS` through `cli.main` in this process, without a new
+    interpreter (its start-up is most of what a rejected input costs): (exit code, stderr).
+    `env` is not applied (the test sets the profile)."""
+    import contextlib
+    import io
+
+    from grpo_lab import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli.main(args)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code if isinstance(e.code, int) else 1
+    return code, err.getvalue()
+
+
 def test_every_bad_input_is_rejected_with_one_line(monkeypatch):
-    """Each case through `cli.main` in this process (test_cli runs the same rejection path
-    in a subprocess for its own cases: exit code 2, one line on stderr)."""
+    """Each case in this process (`python -m grpo_lab reliability` runs them as commands;
+    test_cli runs its own cases in a subprocess: exit code 2, one line on stderr)."""
     monkeypatch.setenv("GRPO_LAB_PROFILE", "cpu")
     lines = []
-    ok, total = reliability.check_bad_inputs(lines.append, reliability.cli_in_this_process)
+    ok, total = reliability.check_bad_inputs(lines.append, cli_in_this_process)
     assert total >= 60
     assert ok == total, "\n".join(line for line in lines if "FAIL" in line)
 

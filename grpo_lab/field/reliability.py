@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import subprocess
@@ -101,21 +99,9 @@ def cli_in_a_process(args: list[str], env: dict) -> tuple[int, str]:
     return p.returncode, p.stderr
 
 
-def cli_in_this_process(args: list[str], env: dict) -> tuple[int, str]:
-    """The same command through `cli.main` here, without a new interpreter (its start-up
-    is most of the time a rejected input takes); `env` is not applied."""
-    from .. import cli
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(args)
-        except SystemExit as e:  # argparse's own errors
-            code = e.code if isinstance(e.code, int) else 1
-    return code, err.getvalue()
-
-
 def check_bad_inputs(log, run_cli=cli_in_a_process) -> tuple[int, int]:
+    """Every bad input through `run_cli(args, env) -> (exit code, stderr)`: exit 2 and one
+    line on stderr naming the field."""
     cases = bad_inputs()
     ok = 0
     env = {**os.environ, "GRPO_LAB_PROFILE": "cpu"}
