@@ -7,6 +7,11 @@ calibration moves with the machine's speed; the suite's busy CPU moves with it).
 
 Prints the calibration, the command's wall time, busy and idle CPU, the result line pytest
 printed, and busy CPU / calibration. Linux only (/proc/stat).
+
+The calibration runs before the command and again after it, and the cost is taken against
+their mean: a shared host can change speed within a run (it read 11.55 s, then 17.15 s an
+hour later, on 2026-11-26), and a run whose two calibrations differ by more than 10% is
+flagged, since its units are not comparable with another run's.
 """
 
 from __future__ import annotations
@@ -49,5 +54,11 @@ if __name__ == "__main__":
         "passed" in line or "failed" in line)]
     tail = "\n".join(run.stdout.splitlines()[-40:])
     print(tail if run.returncode else (result[-1] if result else "(no pytest summary)"))
+    after = calibration_seconds()
+    mean = (calibration + after) / 2
+    print(f"calibration after: {after:.2f} s")
     print(f"exit {run.returncode}; wall {wall:.1f} s; busy CPU {busy:.0f} s; idle {idle:.0f} s; "
-          f"cost {busy / calibration:.1f} calibration units")
+          f"cost {busy / mean:.1f} calibration units (against the mean calibration, {mean:.2f} s)")
+    if abs(after - calibration) > 0.1 * min(after, calibration):
+        print("the machine changed speed during the run (the calibrations differ by more "
+              "than 10%): these units are not comparable with another run's")
