@@ -336,10 +336,10 @@ def cmd_yours(args) -> int:
     for flag, name in (("--step", args.step), ("--loss", args.loss), ("--update", args.update)):
         if name is not None and name not in known:
             raise UsageError(f"{flag} {name!r} is not an exercise of the course")
-    step = load_yours(args.step, folder=args.notebooks)
-    kwargs = {"loss_fn": load_yours(args.loss, folder=args.notebooks)}
-    if args.update is not None:
-        kwargs["update_fn"] = load_yours(args.update, folder=args.notebooks)
+    names = [args.step, args.loss] + ([args.update] if args.update is not None else [])
+    step, *functions = load_yours(*names, folder=args.notebooks,
+                                  elsewhere="pass --notebooks DIR")
+    kwargs = dict(zip(("loss_fn", "update_fn")[:len(functions)], functions, strict=True))
     run = new_run(cfg)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

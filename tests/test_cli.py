@@ -154,6 +154,9 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
         if len(lines) >= 6:
             break
         time.sleep(0.02)
+    else:
+        proc.kill()
+        pytest.fail("step 5 was never logged within 120 s")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL

@@ -52,30 +52,78 @@ def test_empty_micro_batch_is_refused_by_the_config():
     assert "RuntimeError" in naive
 
 
-def cli_in_this_process(args: list[str], env: dict) -> tuple[int, str]:
-    """`python -m grpo_lab ARGS` through `cli.main` in this process, without a new
-    interpreter (its start-up is most of what a rejected input costs): (exit code, stderr).
-    `env` is not applied (the test sets the profile)."""
-    import contextlib
-    import io
-
-    from grpo_lab import cli
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+# One Python process that runs `python -m grpo_lab ARGS` commands one after another, each as
+# `cli.main(ARGS)` with the process's file descriptors 1 and 2 redirected to files: what the
+# command prints, warns or logs lands there (a logging handler holding the old sys.stderr
+# writes to descriptor 2 too), as it would on a terminal. Each command starts with a fresh
+# process's warning state (the filters changed, so every warning shows once again). One
+# interpreter start for all the cases instead of one each.
+CLI_SERVER = r"""
+import json, os, sys, tempfile, warnings
+from grpo_lab import cli
+answers = os.fdopen(os.dup(1), "w")
+for line in sys.stdin:
+    warnings.simplefilter("default")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(); sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
         try:
-            code = cli.main(args)
+            code = cli.main(json.loads(line))
         except SystemExit as e:  # argparse's own errors
             code = e.code if isinstance(e.code, int) else 1
-    return code, err.getvalue()
+        except BaseException as e:  # a traceback is what a user would see
+            import traceback
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+        err.seek(0)
+        answers.write(json.dumps([code, err.read().decode(errors="replace")]) + "\n")
+        answers.flush()
+"""
 
 
-def test_every_bad_input_is_rejected_with_one_line(monkeypatch):
-    """Each case in this process (`python -m grpo_lab reliability` runs them as commands;
-    test_cli runs its own cases in a subprocess: exit code 2, one line on stderr)."""
-    monkeypatch.setenv("GRPO_LAB_PROFILE", "cpu")
+class CliServer:
+    """`run_cli(args, env) -> (exit code, stderr)` for reliability.check_bad_inputs, answered
+    by one CLI_SERVER process started with the first call's environment."""
+
+    def __init__(self):
+        self.proc = None
+
+    def __call__(self, args: list[str], env: dict) -> tuple[int, str]:
+        import json
+        import subprocess
+        import sys
+
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", CLI_SERVER], env=env, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, f"the CLI process died running {args} (exit {self.proc.wait()})"
+        code, stderr = json.loads(answer)
+        return code, stderr
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def test_every_bad_input_is_rejected_with_one_line():
+    """Each case is a command as a user types it, exit code 2 and one line on stderr (all
+    the cases in one process: see CLI_SERVER)."""
     lines = []
-    ok, total = reliability.check_bad_inputs(lines.append, cli_in_this_process)
+    server = CliServer()
+    try:
+        ok, total = reliability.check_bad_inputs(lines.append, server)
+    finally:
+        server.close()
     assert total >= 60
     assert ok == total, "\n".join(line for line in lines if "FAIL" in line)
 

@@ -136,8 +136,8 @@ def test_hint_gives_the_idea_then_the_shape_then_says_that_was_all(capsys, monke
 @pytest.mark.parametrize("edition", ["labs", "solutions"])
 def test_a_notebook_opened_without_the_package_says_what_to_install(edition):
     """Opened where grpo_lab is not installed (a notebook service, another kernel), each
-    notebook's first cell stops with one line that says how to install it, not with a
-    traceback from deep inside an import."""
+    notebook's first cell stops before any other import with an error whose message, the
+    traceback's last line, says how to install it."""
     import json
     import subprocess
     import sys
@@ -150,7 +150,36 @@ def test_a_notebook_opened_without_the_package_says_what_to_install(edition):
         # -I -S: no site-packages, so no grpo_lab (nor torch) for this Python
         p = subprocess.run([sys.executable, "-I", "-S", "-c", first], capture_output=True,
                            text=True, timeout=60, cwd=path.parent)
+        assert p.stderr.strip(), (path.name, p.returncode, p.stdout[-300:])
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode == 1 and last.startswith(
             "ModuleNotFoundError: grpo_lab is not installed"), (path.name, p.stderr[-500:])
         assert "./course lab" in last and "%pip install" in last, path.name
+
+
+def test_nbformat_loads_without_rfc3987_syntax_and_leaves_it_importable():
+    """labs._nbformat skips jsonschema's `iri` checker (2.4 s of grammar compiling) and
+    validates notebooks all the same; afterwards the module imports as usual."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, importlib.util\n"
+             "from grpo_lab.course import labs\n"
+             "nbformat = labs._nbformat()\n"
+             "assert 'rfc3987_syntax' not in sys.modules\n"
+             "nb = nbformat.read('solutions/04_the_training_loop.ipynb', as_version=4)\n"
+             "nbformat.validate(nb)\n"
+             "nb.cells[0]['cell_type'] = 'nonsense'\n"
+             "try:\n"
+             "    nbformat.validate(nb)\n"
+             "except nbformat.ValidationError:\n"
+             "    print('invalid caught')\n"
+             "if importlib.util.find_spec('rfc3987_syntax'):  # installed with Jupyter\n"
+             "    import rfc3987_syntax  # noqa: F401\n"
+             "print('importable')\n")
+    from pathlib import Path
+
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0 and p.stdout.split() == ["invalid", "caught", "importable"], (
+        p.stdout, p.stderr[-1000:])

@@ -184,7 +184,8 @@ def test_load_yours_reads_the_learners_notebooks(capsys):
     assert "yours" in steps.describe_step(partial(step, loss_fn=loss))
 
 
-def test_load_yours_falls_back_to_the_reference_and_says_why(tmp_path, capsys):
+def test_load_yours_falls_back_to_the_reference_and_says_why(tmp_path, capsys,
+                                                             monkeypatch):
     fn = load_yours("group_advantages", folder=ROOT / "labs")
     assert fn.__module__ == "grpo_lab.objective"
     assert "not implemented yet" in capsys.readouterr().out
@@ -206,6 +207,15 @@ def test_load_yours_falls_back_to_the_reference_and_says_why(tmp_path, capsys):
     assert "03_the_grpo_objective.ipynb" in where[0] and "folder=" in where[0]
     load_yours("group_advantages", folder=tmp_path)  # found there: no such line
     assert "load_yours reads" not in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    load_yours("kl_k3")  # no folder: the current one, which Jupyter makes the notebook's
+    out = capsys.readouterr().out
+    assert "(the current folder: where Jupyter runs this notebook)" in out
+    assert "pass folder='path/to/them'" in out
+    load_yours("kl_k3", folder=".", elsewhere="pass --notebooks DIR")  # as `yours` says it
+    assert "(the folder you passed)" in (out := capsys.readouterr().out)
+    assert out.rstrip().endswith("or pass --notebooks DIR.")
 
 
 def test_the_grader_checks_whole_steps_in_its_sandbox(tmp_path):

@@ -213,10 +213,16 @@ def _nbformat():
     with Jupyter), compiles its grammars when imported: 2.4 s of CPU, 90% of nbformat's
     import, in every `grade` and `labs` process. No notebook schema uses that format, so
     where jsonschema is not loaded yet it is loaded without it (jsonschema skips a format
-    whose module is missing; the None entry makes its import fail that way)."""
-    if "jsonschema" not in sys.modules:
-        sys.modules.setdefault("rfc3987_syntax", None)
-    import nbformat
+    whose module is missing; the None entry makes its import fail that way). The entry
+    goes once nbformat is loaded, so that anything else in the process can still import it."""
+    blocked = "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules
+    if blocked:
+        sys.modules["rfc3987_syntax"] = None
+    try:
+        import nbformat
+    finally:
+        if blocked and sys.modules.get("rfc3987_syntax", 0) is None:
+            del sys.modules["rfc3987_syntax"]
 
     return nbformat
 

@@ -124,11 +124,13 @@ def _run_cell(cell: Cell, entry: dict, namespace: dict):
     return None, "reference", f"your version fails its check ({result.reason[:160]})"
 
 
-def load_yours(*names: str, folder: str | Path | None = None, quiet: bool = False):
+def load_yours(*names: str, folder: str | Path | None = None, quiet: bool = False,
+               elsewhere: str = "pass folder='path/to/them'"):
     """Your versions of these exercise functions, from the notebooks that define them
     (in `folder`, default the current directory), each checked again; the reference where
-    yours is missing or fails. Prints one line per function. One name: the function;
-    several: a tuple in the same order."""
+    yours is missing or fails. Prints one line per function, and one more naming the folder
+    where a notebook was not found (`elsewhere`: how to point it at another folder). One
+    name: the function; several: a tuple in the same order."""
     loader = _Loader(Path(folder) if folder is not None else Path.cwd())
     out = [loader.function(n) for n in names]
     if not quiet:
@@ -144,6 +146,6 @@ def load_yours(*names: str, folder: str | Path | None = None, quiet: bool = Fals
                      else "the folder you passed")
             print(f"load_yours reads your earlier notebooks from {loader.folder.resolve()} "
                   f"({where}); not there: {', '.join(loader.missing)}. Keep your notebooks in "
-                  "one folder with their course names, or pass folder='path/to/them'.")
+                  f"one folder with their course names, or {elsewhere}.")
     return out[0] if len(out) == 1 else tuple(out)
 
