@@ -337,9 +337,9 @@ def cmd_yours(args) -> int:
         if name is not None and name not in known:
             raise UsageError(f"{flag} {name!r} is not an exercise of the course")
     names = [args.step, args.loss] + ([args.update] if args.update is not None else [])
-    step, *functions = load_yours(*names, folder=args.notebooks,
-                                  elsewhere="pass --notebooks DIR")
-    kwargs = dict(zip(("loss_fn", "update_fn")[:len(functions)], functions, strict=True))
+    step, loss, *update = load_yours(*names, folder=args.notebooks,
+                                     elsewhere="pass --notebooks DIR")
+    kwargs = {"loss_fn": loss} | ({"update_fn": update[0]} if update else {})
     run = new_run(cfg)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

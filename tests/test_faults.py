@@ -1,5 +1,9 @@
 """Fault injection and the rest of the reliability matrix."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from grpo_lab.field import reliability
@@ -72,7 +76,7 @@ for line in sys.stdin:
             code = cli.main(json.loads(line))
         except SystemExit as e:  # argparse's own errors
             code = e.code if isinstance(e.code, int) else 1
-        except BaseException as e:  # a traceback is what a user would see
+        except BaseException:  # a traceback is what a user would see
             import traceback
             traceback.print_exc()
             code = 1
@@ -95,10 +99,6 @@ class CliServer:
         self.proc = None
 
     def __call__(self, args: list[str], env: dict) -> tuple[int, str]:
-        import json
-        import subprocess
-        import sys
-
         if self.proc is None:
             self.proc = subprocess.Popen([sys.executable, "-c", CLI_SERVER], env=env, text=True,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -1,5 +1,10 @@
 """labs/ is generated from solutions/ and kept in sync."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from grpo_lab.course.labs import MarkerError, student_source
@@ -138,11 +143,6 @@ def test_a_notebook_opened_without_the_package_says_what_to_install(edition):
     """Opened where grpo_lab is not installed (a notebook service, another kernel), each
     notebook's first cell stops before any other import with an error whose message, the
     traceback's last line, says how to install it."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     for path in sorted((root / edition).glob("*.ipynb")):
         cells = json.loads(path.read_text())["cells"]
@@ -160,9 +160,6 @@ def test_a_notebook_opened_without_the_package_says_what_to_install(edition):
 def test_nbformat_loads_without_rfc3987_syntax_and_leaves_it_importable():
     """labs._nbformat skips jsonschema's `iri` checker (2.4 s of grammar compiling) and
     validates notebooks all the same; afterwards the module imports as usual."""
-    import subprocess
-    import sys
-
     probe = ("import sys, importlib.util\n"
              "from grpo_lab.course import labs\n"
              "nbformat = labs._nbformat()\n"
@@ -177,8 +174,6 @@ def test_nbformat_loads_without_rfc3987_syntax_and_leaves_it_importable():
              "if importlib.util.find_spec('rfc3987_syntax'):  # installed with Jupyter\n"
              "    import rfc3987_syntax  # noqa: F401\n"
              "print('importable')\n")
-    from pathlib import Path
-
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                        timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert p.returncode == 0 and p.stdout.split() == ["invalid", "caught", "importable"], (
