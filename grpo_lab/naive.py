@@ -3,15 +3,47 @@ clipped term, each selected by a config field (`clip_term='constant'`,
 `ratio_level='sequence'`; `ratio_against='reference'` needs no code of its own); and report
 003's KL "fix", which no config selects (notebook 09, the scenarios, the mystery runs).
 
-The correct versions are in objective.py; these have the same signatures so the trainer
-swaps one for the other at one place (`Trainer.surrogate`, `Trainer.ratio_inputs`).
+The correct versions are in objective.py; these have the same signatures. The step's loss
+is chosen at one place (`step.loss_for`): `configured_loss` below when the config switches
+any of them on.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .objective import ratio_from_logprobs
+from .objective import clipped_surrogate, kl_k3, masked_mean, ratio_from_logprobs
+
+
+def uses_reported_loss(cfg) -> bool:
+    """Whether the config switches on any of the reports' versions of the policy loss."""
+    return (cfg.ratio_against, cfg.ratio_level, cfg.clip_term) != ("old", "token",
+                                                                    "clipped_ratio")
+
+
+def configured_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
+    """The step's loss (step.grpo_loss's signature) with the reports' versions the config
+    asks for: the ratio against the frozen reference (`ratio_against`), summed over each
+    completion (`ratio_level`), the constant clip term (`clip_term`); plus beta * k3.
+    stats: 'kl', 'clip_ratio/region_mean', 'log_ratio/max_abs' (of the ratio it uses)."""
+    m = weights != 0
+    base = old_logp if cfg.ratio_against == "old" else ref_logp
+    ratio_logp = logp
+    if cfg.ratio_level == "sequence":
+        ratio_logp, base = sequence_log_ratio_inputs(logp, base, m)
+    surrogate = clipped_surrogate if cfg.clip_term == "clipped_ratio" else constant_clip_surrogate
+    per_token, region_clipped = surrogate(ratio_logp, base, advantages, cfg.epsilon_low,
+                                          cfg.epsilon_high, cfg.log_ratio_clamp)
+    kl = torch.zeros_like(logp)
+    if cfg.beta > 0:
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + cfg.beta * kl
+    loss = (per_token * weights).sum()
+    return loss, {
+        "kl": masked_mean(kl.detach(), m),
+        "clip_ratio/region_mean": masked_mean(region_clipped.float(), m),
+        "log_ratio/max_abs": (ratio_logp.detach() - base).abs().masked_fill(~m, 0).max(),
+    }
 
 
 def constant_clip_surrogate(

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from grpo_lab import distributed
+from grpo_lab.step import batch_weights
 from grpo_lab.trainer import Trainer
 
 torch.set_num_threads(1)
@@ -17,14 +18,14 @@ out_dir = sys.argv[2]
 trainer = None
 for i, case in enumerate(cases):
     if trainer is not None:
-        trainer.model = trainer.model.module  # drop the last case's DDP wrapper first
+        trainer.run.forward = trainer.run.forward.module  # drop the last case's DDP wrapper first
     trainer = Trainer(case["config"])
     trainer.policy.load_state_dict(case["initial_policy"])
     batch = case["batch"]
     rows = distributed.shard(len(batch.rewards), trainer.world)
     share = batch.rows(rows)  # keeps the global batch's token weights
     # the trainer's own normaliser, run on this rank's mask alone, must give the same weights
-    weights = trainer.batch_weights(share.rollout.completion_mask)
+    weights = batch_weights(trainer.run, share.rollout.completion_mask)
     stats, _ = trainer.update(share)
     loss = distributed.all_reduce(stats["loss"].detach().clone(), trainer.world)
     if trainer.world.is_main:

@@ -270,15 +270,15 @@ def test_inconsistent_launcher_environment_is_refused(monkeypatch):
 
 FLAKY_RANK = '''
 import os, sys
-from grpo_lab import cli, trainer
+from grpo_lab import cli, step
 if os.environ["RANK"] == "1":  # rank 1's reward function fails on its third call
-    calls, real = [], trainer.checked_rewards
+    calls, real = [], step.checked_rewards
     def flaky(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise ValueError("reward function failed on rank 1")
         return real(*args, **kwargs)
-    trainer.checked_rewards = flaky
+    step.checked_rewards = flaky
 sys.exit(cli.main(sys.argv[1:]))
 '''
 

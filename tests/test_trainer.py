@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from grpo_lab import step as step_module
 from grpo_lab.config import LOSS_TYPES, GRPOConfig, preset
 from grpo_lab.models import frozen_copy
 from grpo_lab.numerics import UNIT_ROUNDOFF, as_accurate_bound, sum_error_bound
@@ -24,7 +25,7 @@ def _grads(model):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_accumulated_gradient_equals_full_batch(tiny, loss_type, beta):
+def test_accumulated_gradient_equals_full_batch(tiny, loss_type, beta, monkeypatch):
     model, tok = tiny
     cfg = preset("stable", loss_type=loss_type, beta=beta, prompts_per_step=4, group_size=4,
                  temperature=1.3)
@@ -43,23 +44,23 @@ def test_accumulated_gradient_equals_full_batch(tiny, loss_type, beta):
     g_full = _grads(trainer.policy).clone()
     accumulated, parts = {}, {}  # parts: the sum of the micro-batch gradients' norms
     losses, loss_parts = {}, {}  # the accumulated loss, and the sum of |micro-batch loss|
-    backward_pass = trainer._backward_pass
+    backward_pass = step_module.backward_pass
 
-    def measured_backward_pass(loss):  # what each micro-batch adds into .grad
+    def measured_backward_pass(run, loss):  # what each micro-batch adds into .grad
         before = _grads(trainer.policy).clone() if trainer.policy.lm_head.weight.grad \
             is not None else 0.0
-        backward_pass(loss)
+        backward_pass(run, loss)
         parts[k] += (_grads(trainer.policy) - before).norm().item()
         loss_parts[k] += abs(loss.item())
 
-    trainer._backward_pass = measured_backward_pass
+    monkeypatch.setattr(step_module, "backward_pass", measured_backward_pass)
     for k in (2, 3, 16):  # 16 rows in 3 micro-batches have sizes 6, 5, 5
         parts[k] = loss_parts[k] = 0.0
         trainer.optimizer.zero_grad(set_to_none=True)
         acc = trainer.backward(batch, grad_accum_steps=k)
         accumulated[k] = _grads(trainer.policy).clone()
         losses[k] = acc["loss"].item()
-    trainer._backward_pass = backward_pass
+    monkeypatch.setattr(step_module, "backward_pass", backward_pass)
     # The split runs smaller batches and adds k micro-batch gradients into .grad, so the
     # float32 gradients differ by rounding. Against the float64 gradient of the same loss
     # on the same inputs: the micro-batch gradients are as accurate as the full batch's
@@ -278,19 +279,19 @@ def test_naive_crash_is_deterministic(naive_crash):
     assert str(first[1]) == str(second[1])  # str: NaN == NaN
 
 
-def test_rollback_on_a_checkpoint_step_still_checkpoints(tmp_path, monkeypatch):
+def test_rollback_on_a_checkpoint_step_still_checkpoints(tmp_path):
     cfg = preset("stable", steps=2, checkpoint_every=2, eval_size=8)
     trainer = Trainer(cfg, out_dir=tmp_path)
-    real_update = trainer._update
+    real_update = trainer.update_fn
 
-    def poisoned_update():
-        skipped = real_update()
+    def poisoned_update(run):
+        out = real_update(run)
         if trainer.step_count == 1:  # the update of step 2 corrupts a weight
             with torch.no_grad():
                 next(trainer.policy.parameters())[0, 0] = float("nan")
-        return skipped
+        return out
 
-    monkeypatch.setattr(trainer, "_update", poisoned_update)
+    trainer.use(update_fn=poisoned_update)
     trainer.train(progress=False)
     ms = read_metrics(tmp_path)
     assert ms[-1]["rolled_back"] == 1 and ms[-1]["nonfinite_params"] == 1

@@ -26,8 +26,8 @@ from ..distributed import World, shard
 from ..health import nonfinite_params
 from ..models import count_parameters
 from ..sampling import SamplingError, SanitizeLogits, completion_mask_from_ids
+from ..step import SPIKE_MIN_HISTORY, micro_batch_slices
 from ..tasks import addition_reward
-from ..trainer import SPIKE_MIN_HISTORY, micro_batch_slices
 
 
 @dataclass
@@ -585,7 +585,7 @@ def check_clip_grad_norm(fn: Callable) -> CheckResult:
 
 
 def reference_should_skip(grad_norm: float, recent, factor: float) -> bool:
-    """The trainer's skip rule (Trainer._update with skip_nonfinite_grad and
+    """The trainer's skip rule (step.guarded_update with skip_nonfinite_grad and
     spike_skip_factor): skip a non-finite norm; skip a finite one above factor x the median of
     the recent norms, once there are SPIKE_MIN_HISTORY of them."""
     if not math.isfinite(grad_norm):

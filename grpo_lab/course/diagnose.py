@@ -27,9 +27,10 @@ from pathlib import Path
 from unittest import mock
 
 from .. import naive
-from .. import trainer as trainer_module
+from .. import step as step_module
 from ..config import METRICS, GRPOConfig
 from ..policy import load_policy
+from ..step import loss_for
 from ..tasks import addition_reward
 from ..trainer import Trainer, read_metrics, to_json_line
 
@@ -85,43 +86,46 @@ def _nan_reward(completions, answer, truncated=None, **kw):
 
 
 def _inject(trainer: Trainer, cause: str, stack: contextlib.ExitStack) -> None:
+    """Change the functions the trainer's step is given (or its optimizer, or its reward)
+    so that the run has `cause` in its code. The claimed config stays as written."""
     t = trainer
     if cause == "ratio-vs-reference":
         t.cfg = t.cfg.replace(ratio_against="reference")  # the code's; the claim stays "old"
+        t.use(loss_fn=loss_for(t.cfg))
     elif cause == "constant-clip":
-        t.surrogate = naive.constant_clip_surrogate
+        t.cfg = t.cfg.replace(clip_term="constant")
+        t.use(loss_fn=loss_for(t.cfg))
     elif cause == "clamped-kl":
-        stack.enter_context(mock.patch.object(trainer_module, "kl_k3", naive.report003_kl))
+        stack.enter_context(mock.patch.object(step_module, "kl_k3", naive.report003_kl))
     elif cause == "zero-grad-inside":
-        loss_of = t.micro_batch_loss
+        loss_of = t.loss_fn
 
-        def zeroed_first(part):
+        def zeroed_first(*args):
             t.optimizer.zero_grad(set_to_none=True)  # the bug: earlier micro-batches lost
-            return loss_of(part)
-        t.micro_batch_loss = zeroed_first
+            return loss_of(*args)
+        t.use(loss_fn=zeroed_first)
     elif cause == "step-inside":
-        backward_of, loss_of = t._backward_pass, t.micro_batch_loss
+        loss_of, update_of = t.loss_fn, t.update_fn
         pending = []
 
-        def loss_then_step(part):
+        def loss_then_step(*args):
             if pending:  # the previous micro-batch's update, inside the loop
                 t.optimizer.step()
                 t.optimizer.zero_grad(set_to_none=True)
                 pending.clear()
-            return loss_of(part)
+            pending.append(1)  # its backward follows this loss
+            return loss_of(*args)
 
-        def backward_and_mark(loss):
-            backward_of(loss)
-            pending.append(1)
-        t.micro_batch_loss, t._backward_pass = loss_then_step, backward_and_mark
-        update_of = t._update
-        t._update = lambda: (pending.clear(), update_of())[1]
+        def update(run):
+            pending.clear()
+            return update_of(run)
+        t.use(loss_fn=loss_then_step, update_fn=update)
     elif cause == "greedy-sampling":
-        sample = trainer_module.sample_group
+        sample = step_module.sample_group
 
         def greedy(model, tok, prompts, g, n, temperature=1.0, top_k=0, top_p=1.0, **kw):
             return sample(model, tok, prompts, g, n, temperature, 1, top_p, **kw)  # top-1
-        stack.enter_context(mock.patch.object(trainer_module, "sample_group", greedy))
+        stack.enter_context(mock.patch.object(step_module, "sample_group", greedy))
     elif cause == "lr-100x":
         for group in t.optimizer.param_groups:
             group["lr"] = group["lr"] * 100

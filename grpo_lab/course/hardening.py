@@ -15,7 +15,7 @@ Notebook 08, exact gradient accumulation:
                             update: the same update as the full batch's, for every loss type
 
 Both compute what the package's `Trainer` computes with the same switches (`health_check`,
-`snapshot_every`; `grad_accum_steps`): `Trainer._check_health` and `Trainer.backward`.
+`snapshot_every`; `grad_accum_steps`): `step.check_health` and `step.accumulate`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def health_check(run: Run) -> int:
     optimizer state, `Snapshot.restore`) and return 1. Otherwise, when that step is a
     multiple of cfg.snapshot_every, keep a new `Snapshot(run.policy, run.optimizer, step)`;
     return 0. run.snapshot must hold one before the first step (the snapshot of step 0, as
-    `Trainer` takes it when it starts). `Trainer._check_health` with health_check on."""
+    `Trainer` takes it when it starts). `step.check_health` with health_check on."""
     if nonfinite_params(run.policy):
         run.snapshot.restore(run.policy, run.optimizer)
         return 1

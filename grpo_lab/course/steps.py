@@ -1,5 +1,5 @@
-"""The learner's trainer, reference edition: what notebooks 04 to 11 have the learner write,
-and the small harness their step runs in.
+"""The learner's trainer, reference edition: what notebooks 04 to 11 have the learner write.
+The step runs in the engine's loop (`Trainer`), as the engine's own step does.
 
 Notebook 04 builds one GRPO step from the learner's own pieces:
 
@@ -17,9 +17,11 @@ of the learner's step stays theirs. The reference versions here are what a noteb
 where an exercise is not implemented yet; they compute what `Trainer.step()` computes (at
 mu = 1, one micro-batch), which notebook 11 checks to 1e-5.
 
-`Run` holds what a step works on; `new_run` builds it as `Trainer` does (same seed, same
-model, same prompt stream), and `train` drives any step function with a progress bar,
-held-out evaluation and a callback, writing the history `plots.LivePlot` reads.
+`Run` (step.py) holds what a step works on; `new_run` is a `Trainer`'s run (same seed, same
+model, same prompt stream), and `train` runs any step function in `Trainer`'s loop: a
+progress bar, held-out evaluation and a callback, writing the history `plots.LivePlot` reads.
+The engine's step (`step.grpo_step`) has the same signature; its losses take the batch's
+token weights in place of the mask, so that micro-batches slice one batch.
 """
 
 from __future__ import annotations
@@ -27,11 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import random
-import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -39,10 +37,7 @@ import torch
 
 from .. import naive
 from ..config import GRPOConfig
-from ..fast import fuse_gelu, fused_adamw
-from ..field.faults import INJECT_AT
-from ..health import Snapshot, all_finite, first_nonfinite_param, nonfinite_params
-from ..models import disable_dropout, frozen_copy, resolve_device
+from ..field.faults import LEARNER_FAULTS, with_fault  # noqa: F401  the notebooks' import
 from ..objective import (
     clipped_surrogate,
     completion_logprobs,
@@ -51,60 +46,24 @@ from ..objective import (
     masked_mean,
     token_weights,
 )
-from ..policy import load_policy
-from ..sampling import decode_loop, encode_prompts, greedy_accuracy, sample_group
-from ..tasks import Problem, ProblemStream, addition_reward, eval_problems
-from ..trainer import SPIKE_WINDOW, progress_postfix, to_json_line
+from ..sampling import decode_loop, encode_prompts, sample_group
+from ..step import Run
+from ..tasks import Problem, addition_reward
+from ..trainer import StepError, Trainer, check_step_result, diagnosis  # noqa: F401
 from .checks import reference_clip_grad_norm, reference_sanitize_logits, reference_should_skip
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
 
-@dataclass
-class Run:
-    """What the learner's step works on. B = prompts_per_step x group_size rows."""
-
-    cfg: GRPOConfig
-    policy: torch.nn.Module  # trained; it samples, so it is pi_old at the start of a step
-    reference: torch.nn.Module  # the starting policy, frozen: the KL term's anchor
-    optimizer: torch.optim.Optimizer
-    tokenizer: object
-    reward_fn: Callable = addition_reward  # TRL's signature: (completions, answer=..., **kw)
-    stream: ProblemStream | None = None  # training prompts, drawn like Trainer's
-    eval_problems: list[Problem] = field(default_factory=list)  # the fixed held-out set
-    step_count: int = 0
-    # what the hardening notebooks keep between steps
-    recent_grad_norms: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
-    snapshot: Snapshot | None = None  # the last healthy parameters and optimizer state (07)
-    rolled_back: int = 0  # 1 when the last update was undone by a rollback (07)
-    history: list[dict] = field(default_factory=list)
-
-
 def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
             tokenizer=None, fast: bool = True) -> Run:
-    """A fresh run: the profile's policy (or `model`), its frozen copy as the reference,
-    AdamW, and the prompt stream, seeded exactly as `Trainer(cfg)` seeds them.
+    """A fresh run, built as `Trainer(cfg)` builds its own (it is one): the profile's policy
+    (or `model`), its frozen copy as the reference, AdamW, the prompt stream, the same seeds.
 
     The models' GELU is torch's one-kernel version (`fast.fuse_gelu`), as in `Trainer(cfg)`:
     the same function to float rounding, and your step runs ~13% faster. `fast=False` keeps
     GPT-2's five-op `gelu_new`, for comparing with `Trainer(cfg, fast=False)` bit for bit."""
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if model is None:
-        model, tokenizer = load_policy(cfg.profile, cfg.model_path)
-    elif tokenizer is None:
-        raise ValueError("pass the tokenizer together with the model")
-    device = resolve_device(cfg.device, cfg.profile)
-    policy = disable_dropout(model.to(device)).train()
-    if fast:
-        fuse_gelu(policy)
-    optimizer = fused_adamw(policy.parameters(), device,
-                            lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return Run(cfg=cfg, policy=policy, reference=frozen_copy(policy), optimizer=optimizer,
-               tokenizer=tokenizer, reward_fn=reward_fn, stream=ProblemStream(cfg.seed),
-               eval_problems=eval_problems(cfg.eval_size),
-               # the step-0 snapshot a health check rolls back to, as Trainer takes it
-               snapshot=Snapshot(policy, optimizer, 0) if cfg.health_check else None)
+    return Trainer(cfg, model, tokenizer, reward_fn, fast=fast).run
 
 
 # --- sampling, written out (notebook 01) ----------------------------------------------------
@@ -204,7 +163,7 @@ def guarded_update(run: Run) -> tuple[float, int]:
     the gradients, step nothing) when it is not finite, or when it is more than
     cfg.spike_skip_factor x the median of run.recent_grad_norms once 5 are known; every
     finite norm joins run.recent_grad_norms, skipped ones too; else write the clipped
-    gradients back and step. Returns (grad_norm, skipped: 0 or 1), as `Trainer._update`."""
+    gradients back and step. Returns (grad_norm, skipped: 0 or 1), as the engine's `step.guarded_update`."""
     cfg = run.cfg
     params = [p for p in run.policy.parameters() if p.grad is not None]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
@@ -333,79 +292,7 @@ def compare_histories(yours: list[dict], theirs: list[dict], keys) -> dict[str, 
     return gaps
 
 
-# --- faults, injected into a learner's run (the package's fault injector, field/faults.py) -----
-LEARNER_FAULTS = ("nan-grads", "loss-spike", "nan-logits", "nan-rewards", "nan-params",
-                  "inf-params")
-
-
-def with_fault(run: Run, step_fn: Callable, fault: str, at: int = INJECT_AT) -> Callable:
-    """`step_fn` (a partial of a step with loss_fn and update_fn) with one of the fault
-    injector's faults at step `at` of `run`: a NaN gradient entry before the update, the
-    loss x 1e4, NaN logits in the training forward, a NaN reward, or a NaN / inf parameter
-    written after the update."""
-    if fault not in LEARNER_FAULTS:
-        raise ValueError(f"fault must be one of {', '.join(LEARNER_FAULTS)} (got {fault!r})")
-    if not isinstance(step_fn, partial) or not {"loss_fn"} <= set(step_fn.keywords):
-        raise ValueError("pass the step as partial(step, loss_fn=..., update_fn=...)")
-    due = lambda: run.step_count == at - 1  # noqa: E731 - step_count counts finished steps
-    loss_fn = step_fn.keywords["loss_fn"]
-    update_fn = step_fn.keywords.get("update_fn", apply_update)
-    kw = dict(step_fn.keywords)
-    first = lambda: next(run.policy.parameters())  # noqa: E731
-    if fault == "nan-grads":
-        def update(r):
-            if due():
-                first().grad.view(-1)[0] = float("nan")
-            return update_fn(r)
-        kw["update_fn"] = update
-    elif fault in ("nan-params", "inf-params"):
-        value = float("nan") if fault == "nan-params" else float("inf")
-
-        def poisoned(inner: Callable) -> Callable:
-            def update(r):
-                out = inner(r)
-                if due():
-                    with torch.no_grad():
-                        first().view(-1)[0] = value
-                return out
-            return update
-        if isinstance(update_fn, partial) and "update_fn" in update_fn.keywords:
-            # a health check around an update (notebook 07): the weight goes bad after the
-            # update and before the check, as the fault injector does it to Trainer
-            inner = update_fn.keywords["update_fn"]
-            kw["update_fn"] = partial(update_fn.func, *update_fn.args,
-                                      **{**update_fn.keywords, "update_fn": poisoned(inner)})
-        else:
-            kw["update_fn"] = poisoned(update_fn)
-    elif fault == "loss-spike":
-        def loss(*args):
-            value, stats = loss_fn(*args)
-            return (value * 1e4 if due() else value), stats
-        kw["loss_fn"] = loss
-    elif fault == "nan-logits":
-        def hook(module, inputs, output):
-            if torch.is_grad_enabled() and due():
-                poison = torch.ones_like(output)
-                poison[0] = float("nan")  # the first row's logits, inside the graph
-                return output * poison
-            return output
-        run.policy.lm_head.register_forward_hook(hook)
-    elif fault == "nan-rewards":
-        reward_fn = run.reward_fn
-
-        def rewards(completions, **columns):
-            out = list(reward_fn(completions, **columns))
-            return [float("nan"), *out[1:]] if due() else out
-        run.reward_fn = rewards
-    return partial(step_fn.func, *step_fn.args, **kw)
-
-
 # --- the harness -----------------------------------------------------------------------------
-def evaluate(run: Run) -> float:
-    """Greedy accuracy on the run's held-out problems (as `Trainer.evaluate`)."""
-    return greedy_accuracy(run.policy, run.tokenizer, run.eval_problems, run.cfg.max_new_tokens)
-
-
 def _exercise_names() -> set[str]:
     manifest = json.loads(Path(__file__).with_name("exercises.json").read_text())
     return {e["function"] for nb in manifest["notebooks"].values() for e in nb["exercises"]}
@@ -496,87 +383,19 @@ def step_label(step_fn: Callable) -> str:
     return "your GRPO, part reference" if any(reference) else "your GRPO"
 
 
-class StepError(RuntimeError):
-    """A step function that breaks train()'s contract (message in the learner's terms)."""
-
-
-def check_step_result(metrics, steps_before: int, steps_after: int) -> None:
-    """What train() needs of each step: a dict of metrics back, and run.step_count one
-    higher than before it. A step that never counts would keep train() looping forever,
-    silently; one that returns no dict would fail later, far from the cause."""
-    if not isinstance(metrics, dict):
-        raise StepError(f"your step returned {type(metrics).__name__}, not the step's metrics: "
-                        "return a dict (notebook 04, section 6: `return step_metrics(...)`)")
-    if steps_after != steps_before + 1:
-        raise StepError(
-            f"your step left run.step_count at {steps_after} (it was {steps_before} before the "
-            "step): a step must add 1 to it (`run.step_count += 1`, notebook 04, section 6); "
-            "train() counts the steps with it, and would otherwise never stop")
-
-
 def train(run: Run, step_fn: Callable, steps: int | None = None,
           eval_every: int | None = None, progress: bool = True, callback=None,
           metrics_path: str | Path | None = None, verbose: bool = True) -> list[dict]:
-    """Call `step_fn(run, problems)` until `steps` (default cfg.steps) steps are done, on
-    prompts drawn like `Trainer`'s; greedy accuracy at step 0, every `eval_every` (default
-    cfg.eval_every) steps and at the end. Appends each step's metrics to run.history (with
-    'step_time', 'nonfinite_params' (NaN/inf parameter entries after the step: the harness
-    watches, it does not act) and, where evaluated, 'eval/accuracy') and returns it; with
-    `metrics_path`, also writes each row there as a JSON line as soon as it is done.
-    `verbose`: print which functions the run calls, and whose they are (describe_step)."""
-    from tqdm.auto import tqdm
-
-    cfg = run.cfg
-    total = cfg.steps if steps is None else steps
-    every = cfg.eval_every if eval_every is None else eval_every
+    """Call `step_fn(run, problems)` until `steps` (default cfg.steps) steps are done, in
+    `Trainer`'s loop: prompts drawn as Trainer draws them, greedy accuracy at step 0, every
+    `eval_every` (default cfg.eval_every) steps and at the end. Appends each step's metrics
+    to run.history (with 'step_time', 'nonfinite_params' (NaN/inf parameter entries after
+    the step: the loop watches, it does not act) and, where evaluated, 'eval/accuracy') and
+    returns it; with `metrics_path`, also writes each row there as a JSON line as soon as it
+    is done. `verbose`: print which functions the run calls, and whose (describe_step)."""
+    total = run.cfg.steps if steps is None else steps
     if verbose:
         print(f"training: {describe_step(step_fn)}, {total - run.step_count} steps")
-    sink = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
-
-    def record(m: dict) -> None:
-        run.history.append(m)
-        if sink is not None:
-            sink.write(to_json_line(m))
-            sink.flush()
-
-    if run.step_count == 0 and not run.history:
-        record({"step": 0, "eval/accuracy": evaluate(run), "nonfinite_params": 0})
-    bar = tqdm(total=total, initial=run.step_count, disable=not progress, desc=step_label(step_fn),
-               unit="step", dynamic_ncols=True)
-    try:
-        while run.step_count < total:
-            t0 = time.perf_counter()
-            run.rolled_back = 0
-            before = run.step_count
-            m = step_fn(run, run.stream.sample(cfg.prompts_per_step))
-            check_step_result(m, before, run.step_count)
-            m.setdefault("rolled_back", run.rolled_back)
-            m["nonfinite_params"] = 0 if all_finite(run.policy) else nonfinite_params(run.policy)
-            if m["nonfinite_params"] == 0 and (
-                    run.step_count == total or (every > 0 and run.step_count % every == 0)):
-                m["eval/accuracy"] = evaluate(run)
-            m["step_time"] = time.perf_counter() - t0
-            record(m)
-            bar.update(1)
-            bar.set_postfix(progress_postfix(m))
-            if callback is not None:
-                callback(m)
-    finally:
-        bar.close()
-        if sink is not None:
-            sink.close()
-    return run.history
-
-
-def diagnosis(run: Run) -> str:
-    """After a crash: the last step whose parameters were all finite, the first non-finite
-    parameter, and the grad norms leading up to it."""
-    rows = [m for m in run.history if "grad_norm" in m]
-    healthy = [m["step"] for m in run.history if m.get("nonfinite_params", 0) == 0]
-    norms = ", ".join(f"{m['step']}: {m['grad_norm']:.3g}" for m in rows[-8:])
-    return "\n".join([
-        f"last healthy step: {max(healthy) if healthy else None} (steps completed: "
-        f"{run.step_count})",
-        f"first non-finite parameter: {first_nonfinite_param(run.policy) or 'none'}",
-        f"grad norm (step: value), last {min(8, len(rows))}: {norms or 'none'}",
-    ])
+    loop = Trainer.around(run, step_fn, metrics_path=metrics_path)
+    return loop.train(total, progress=progress, callback=callback, eval_every=eval_every,
+                      desc=step_label(step_fn))

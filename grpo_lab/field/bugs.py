@@ -11,7 +11,7 @@ from ..trainer import micro_batch_slices
 
 def broken_accumulation(trainer, batch, k: int, variant: str) -> None:
     """Accumulate `batch`'s gradient over k micro-batches the wrong way (report 003's
-    step and copy_, and a per-micro-batch normalisation), leaving the result in .grad like `Trainer.backward` does.
+    step and copy_, and a per-micro-batch normalisation), leaving the result in .grad like `step.accumulate` does.
 
     'step-inside': zero_grad inside the micro-batch loop, so only the last survives.
     'copy': `p.grad.copy_(g)` in a hand-written gradient setter: the same loss, another way.

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from ..config import CHECKPOINT, ConfigError, preset
 from ..health import nonfinite_params
 from ..memo import once_per_session
 from ..sampling import SamplingError
+from ..step import Run, guarded_update
 from ..tasks import RewardError, addition_reward
 from ..trainer import Trainer
 from .scenarios import run_scenario
@@ -64,59 +66,81 @@ class FaultResult:
                 f"{self.checkpoint_nonfinite}")
 
 
-# --- injections: each changes one trainer so that step INJECT_AT goes wrong ------------------
+# --- the fault injector: one fault wrapped around the functions a step is given -----------
+LEARNER_FAULTS = ("nan-grads", "loss-spike", "nan-logits", "nan-rewards", "nan-params",
+                  "inf-params")
+
+
+def with_fault(run: Run, step_fn: Callable, fault: str, at: int = INJECT_AT) -> Callable:
+    """`step_fn` (a partial of a step with loss_fn and update_fn: the learner's, or the
+    engine's `Trainer.step_fn`) with one fault at step `at` of `run`: a NaN gradient entry
+    before the update, the loss x 1e4, NaN logits in the training forward, a NaN reward, or
+    a NaN / inf parameter written after the update (before the step's health check)."""
+    if fault not in LEARNER_FAULTS:
+        raise ValueError(f"fault must be one of {', '.join(LEARNER_FAULTS)} (got {fault!r})")
+    if not isinstance(step_fn, partial) or not {"loss_fn"} <= set(step_fn.keywords):
+        raise ValueError("pass the step as partial(step, loss_fn=..., update_fn=...)")
+    due = lambda: run.step_count == at - 1  # noqa: E731 - step_count counts finished steps
+    loss_fn = step_fn.keywords["loss_fn"]
+    update_fn = step_fn.keywords.get("update_fn", guarded_update)
+    kw = dict(step_fn.keywords)
+    first = lambda: next(run.policy.parameters())  # noqa: E731
+    if fault == "nan-grads":
+        def update(r):
+            if due():
+                first().grad.view(-1)[0] = float("nan")
+            return update_fn(r)
+        kw["update_fn"] = update
+    elif fault in ("nan-params", "inf-params"):
+        value = float("nan") if fault == "nan-params" else float("inf")
+
+        def poisoned(inner: Callable) -> Callable:
+            def update(r):
+                out = inner(r)
+                if due():
+                    with torch.no_grad():
+                        first().view(-1)[0] = value
+                return out
+            return update
+        if isinstance(update_fn, partial) and "update_fn" in update_fn.keywords:
+            # a health check around an update (notebook 07): the weight goes bad after the
+            # update and before the check, as the fault injector does it to Trainer
+            inner = update_fn.keywords["update_fn"]
+            kw["update_fn"] = partial(update_fn.func, *update_fn.args,
+                                      **{**update_fn.keywords, "update_fn": poisoned(inner)})
+        else:
+            kw["update_fn"] = poisoned(update_fn)
+    elif fault == "loss-spike":
+        def loss(*args):
+            value, stats = loss_fn(*args)
+            return (value * 1e4 if due() else value), stats
+        kw["loss_fn"] = loss
+    elif fault == "nan-logits":
+        def hook(module, inputs, output):
+            if torch.is_grad_enabled() and due():
+                poison = torch.ones_like(output)
+                poison[0] = float("nan")  # the first row's logits, inside the graph
+                return output * poison
+            return output
+        run.policy.lm_head.register_forward_hook(hook)
+    elif fault == "nan-rewards":
+        reward_fn = run.reward_fn
+
+        def rewards(completions, **columns):
+            out = list(reward_fn(completions, **columns))
+            return [float("nan"), *out[1:]] if due() else out
+        run.reward_fn = rewards
+    return partial(step_fn.func, *step_fn.args, **kw)
+
+
 def _at_fault_step(trainer) -> bool:
     return trainer.step_count == INJECT_AT - 1  # step_count counts finished steps
 
 
-def _after_update(poison: Callable[[torch.nn.Parameter], None]):
+def _step_fault(name: str) -> Callable:
     def inject(trainer):
-        update = trainer._update
-
-        def patched():
-            skipped = update()
-            if _at_fault_step(trainer):
-                with torch.no_grad():
-                    poison(next(trainer.policy.parameters()))
-            return skipped
-
-        trainer._update = patched
-
+        trainer.step_fn = with_fault(trainer.run, trainer.step_fn, name)
     return inject
-
-
-def _grads_nan(trainer):
-    update = trainer._update
-
-    def patched():
-        if _at_fault_step(trainer):
-            next(trainer.policy.parameters()).grad[0, 0] = float("nan")
-        return update()
-
-    trainer._update = patched
-
-
-def _logits_nan(trainer):
-    def hook(module, inputs, output):
-        if torch.is_grad_enabled() and _at_fault_step(trainer):
-            poison = torch.ones_like(output)
-            poison[0] = float("nan")  # every logit of the first sequence, still in the graph
-            output = output * poison
-        return output
-
-    trainer.policy.lm_head.register_forward_hook(hook)
-
-
-def _loss_spike(trainer):
-    make_batch = trainer.make_batch
-
-    def patched():
-        batch = make_batch()
-        if _at_fault_step(trainer):
-            batch.weights = batch.weights * 1e4  # the step's loss, and gradient, x 1e4
-        return batch
-
-    trainer.make_batch = patched
 
 
 def _reward(bad: Callable[[list[str], list[float]], object]):
@@ -129,10 +153,6 @@ def _reward(bad: Callable[[list[str], list[float]], object]):
         trainer.reward_fn = reward_fn
 
     return inject
-
-
-def _nan_reward(completions, rewards):
-    return [float("nan"), *rewards[1:]]
 
 
 def _raise(completions, rewards):
@@ -154,12 +174,7 @@ def _oov_pad(trainer):
 
 
 FAULTS: dict[str, Callable] = {
-    "nan-params": _after_update(lambda p: p.view(-1)[0].fill_(float("nan"))),
-    "inf-params": _after_update(lambda p: p.view(-1)[0].fill_(float("inf"))),
-    "nan-grads": _grads_nan,
-    "nan-logits": _logits_nan,
-    "loss-spike": _loss_spike,
-    "nan-rewards": _reward(_nan_reward),
+    **{name: _step_fault(name) for name in LEARNER_FAULTS},
     "reward-raises": _reward(_raise),
     "reward-hangs": _reward(_hang),
     "reward-wrong-length": _reward(_short),

@@ -151,14 +151,14 @@ def _build_trainer(cfg: GRPOConfig):
 
     trainer = Trainer(cfg, *load_policy(cfg.profile, cfg.model_path))
     lengths: list[int] = []
-    make_batch = trainer.make_batch
+    step_fn = trainer.step_fn
 
-    def recording_make_batch():  # the step runs as is; we only note C on the way
-        batch = make_batch()
-        lengths.append(batch.rollout.completion_length)
-        return batch
+    def recording_step(run, problems):  # the step runs as is; we only note C on the way
+        metrics = step_fn(run, problems)
+        lengths.append(run.last_batch.rollout.completion_length)
+        return metrics
 
-    trainer.make_batch = recording_make_batch
+    trainer.step_fn = recording_step
     return trainer, lengths
 
 
@@ -369,14 +369,6 @@ def _capped_step_worker(cfg: GRPOConfig, budget_mib: float, check_gradient: bool
     torch.set_num_threads(1)
     _fix_mmap_threshold()
     trainer, _ = _build_trainer(cfg)
-    batches = []
-    make_batch = trainer.make_batch
-
-    def keeping_make_batch():  # keep the sampled batch for the gradient check
-        batches.append(make_batch())
-        return batches[-1]
-
-    trainer.make_batch = keeping_make_batch
     start = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     cuda = trainer.device.type == "cuda"
     _release_free_memory()
@@ -413,7 +405,7 @@ def _capped_step_worker(cfg: GRPOConfig, budget_mib: float, check_gradient: bool
         accumulated = [p.grad.clone() for p in trainer.policy.parameters()]
         trainer.policy.load_state_dict(start)
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.backward(batches[0], grad_accum_steps=1)
+        trainer.backward(trainer.run.last_batch, grad_accum_steps=1)  # the step's batch
         full = [p.grad for p in trainer.policy.parameters()]
         diff = sum(((a - f) ** 2).sum() for a, f in zip(accumulated, full, strict=True))
         answer["relative_grad_error"] = float(diff**0.5 / sum((f**2).sum() for f in full)**0.5)
