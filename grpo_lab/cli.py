@@ -329,7 +329,7 @@ def cmd_yours(args) -> int:
     from functools import partial
 
     from .course.plots import plot_run
-    from .course.steps import diagnosis, new_run, train
+    from .course.steps import diagnosis, new_run, step_label, train
     from .course.workbook import exercise_index, load_yours
 
     known = exercise_index()
@@ -344,16 +344,17 @@ def cmd_yours(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     plot_path = args.out / "metrics.png"
+    step = partial(step, **kwargs)
+    title = f"{step_label(step)}, {args.preset}"  # says so when a reference stands in
     try:
-        train(run, partial(step, **kwargs), progress=not args.no_progress,
-              metrics_path=args.out / METRICS)
+        train(run, step, progress=not args.no_progress, metrics_path=args.out / METRICS)
     except Exception as e:
         print(f"\nerror at step {run.step_count + 1}: {type(e).__name__}: {e}", file=sys.stderr)
         print("diagnosis:\n  " + diagnosis(run).replace("\n", "\n  "), file=sys.stderr)
-        plot_run(run.history, plot_path, title=f"your step, {args.preset} (crashed)")
+        plot_run(run.history, plot_path, title=f"{title} (crashed)")
         print(f"metrics: {args.out / METRICS}  plot: {plot_path}", file=sys.stderr)
         return 1
-    plot_run(run.history, plot_path, title=f"your step, {args.preset}")
+    plot_run(run.history, plot_path, title=title)
     evals = [m["eval/accuracy"] for m in run.history if "eval/accuracy" in m]
     print(f"[grpo_lab] done: {run.step_count} steps, eval/accuracy {evals[0]:.3f} -> "
           f"{evals[-1]:.3f}; metrics: {args.out / METRICS}  plot: {plot_path}")

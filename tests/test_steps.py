@@ -17,7 +17,7 @@ import torch
 from grpo_lab import preset
 from grpo_lab.course import step_checks, steps
 from grpo_lab.course.workbook import load_yours
-from grpo_lab.trainer import Trainer
+from grpo_lab.trainer import Trainer, read_metrics, without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +53,26 @@ def test_reference_step_is_the_trainer_step_bit_for_bit():
                     compared += 1
     assert compared >= 4 * 8
     assert (_params(trainer.policy) - _params(run.policy)).abs().max().item() == 0.0
+
+
+def test_the_learners_step_in_trainers_loop_checkpoints_and_resumes_exactly(tmp_path):
+    """One loop: the learner's step given to Trainer gets what the loop owns (metrics.jsonl,
+    atomic checkpoints, an exact resume) as the engine's step does. Run 4 steps straight,
+    and 2 + 2 with a fresh Trainer resumed from the step-2 checkpoint: the same metrics."""
+    cfg = preset("stable", steps=4, checkpoint_every=2, eval_every=2, eval_size=8,
+                 prompts_per_step=2, group_size=4)
+    step = partial(steps.grpo_step, loss_fn=steps.grpo_loss, update_fn=steps.guarded_update)
+    Trainer(cfg, out_dir=tmp_path / "straight", step_fn=step).train(progress=False)
+    first = Trainer(cfg, out_dir=tmp_path / "resumed", step_fn=step)
+    first.train(steps=2, progress=False)
+    again = Trainer(cfg, out_dir=tmp_path / "resumed", step_fn=step)
+    again.load_checkpoint()
+    assert again.step_count == 2
+    again.train(progress=False)
+    straight = without_timing(read_metrics(tmp_path / "straight"))
+    assert [m["step"] for m in straight] == [0, 1, 2, 3, 4]
+    assert "eval/accuracy" in straight[2] and "eval/accuracy" in straight[4]
+    assert without_timing(read_metrics(tmp_path / "resumed")) == straight
 
 
 def test_the_fast_trainer_differs_only_by_rounding():
