@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one go, each command's output saved with the command:
+# Every check that needs a GPU, in one go, each command's output saved with the command, and
+# one summary of them all, OUT_DIR/summary.json (commit it as benchmarks/gpu/summary.json):
 #
-#   bash benchmarks/gpu_checks.sh [OUT_DIR]          # on a CUDA machine
+#   bash benchmarks/gpu_checks.sh [OUT_DIR]          # on a CUDA machine: at most ~9.5 minutes
 #   DEVICE=cpu bash benchmarks/gpu_checks.sh /tmp/x  # the same commands on CPU, small: a smoke test
-#   NOTEBOOKS="solutions/*.ipynb" bash benchmarks/gpu_checks.sh OUT  # other notebooks (default 05, 11)
 #
-# PYTHON: the interpreter (default .venv/bin/python, else python3). No model hub is needed:
-# HF_HUB_OFFLINE=1, so the gpu profile builds GPT-2 124M's architecture and warm-starts it
-# (grpo_lab/policy.py), timed as its own step, before anything else loads it.
+# On a bare GPU machine with no network, the packages it lacks travel beside the repository as
+# wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them here, 36 MiB); this script installs them
+# into a folder of its own first. No model hub is needed: HF_HUB_OFFLINE=1, so the gpu profile
+# builds GPT-2 124M's architecture and warm-starts it (grpo_lab/policy.py), timed as its own step.
 #
-# 1. report 000 and 002 as device-side asserts, each in a fresh process, and what the next
-#    CUDA call in that process does; then the warm start of GPT-2 124M (cached); 2. the
-#    peak-memory table of GPT-2 124M; 3. grpo_lab vs TRL on GPT-2 124M: s/step, tokens/s,
-#    MFU; 4. notebooks (05 and 11 unless NOTEBOOKS says) under the gpu profile, timed.
-#    Copy the figures into benchmarks/RESULTS.md with the command that made them.
+#   1. the environment, and the warm start of GPT-2 124M (cached for what follows);
+#   2. every notebook, solutions and labs, under the gpu profile, in parallel on the one GPU
+#      under nbval (NOTEBOOKS, NOTEBOOK_WORKERS to change), until GPU_DEADLINE - RESERVE s;
+#   3. reports 000 and 002 as device-side asserts, each in a fresh process, and what the next
+#      CUDA call in that process does; 4. the peak-memory table; 5. grpo_lab vs TRL: s/step,
+#      tokens/s, MFU; 6. summary.json: card, date, commit, notebooks passed and total, seconds,
+#      the bench per side, the step-time ratio.
+# COMMIT: the commit to record (default: git rev-parse HEAD where .git is there).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:-benchmarks/gpu-$(date +%F)}
 if [ -x .venv/bin/python ]; then py=${PYTHON:-.venv/bin/python}; else py=${PYTHON:-python3}; fi
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 device=${DEVICE:-cuda}
 mkdir -p "$out"
 failed=0
+commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+
+if compgen -G ".whl/*.whl" >/dev/null && [ "${INSTALL_WHEELS:-1}" = 1 ]; then
+  site=${TMPDIR:-/tmp}/grpo_lab_site
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl || { echo "could not install .whl/*.whl"; exit 1; }
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 run() {  # run NAME CMD...: print and save the command and its output, keep going on failure
   local name=$1
@@ -36,29 +50,37 @@ run() {  # run NAME CMD...: print and save the command and its output, keep goin
 
 if [ "$device" = cuda ]; then
   profile=gpu; memory=(); bench=(--steps 50 --seeds 1)
-  notebooks=${NOTEBOOKS:-solutions/05_break_it.ipynb solutions/11_capstone.ipynb}
+  notebooks=${NOTEBOOKS:-solutions/*.ipynb labs/*.ipynb}
+  deadline=${GPU_DEADLINE:-560}
 else
   profile=cpu; memory=(--quick); bench=(--steps 2 --seeds 1)
   notebooks=${NOTEBOOKS:-solutions/00_setup_and_diagnostics.ipynb}
+  deadline=${GPU_DEADLINE:-0}
 fi
-run environment "$py" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
+reserve=${RESERVE:-170}  # seconds kept for steps 3 to 6 after the notebooks (about 120 on an H200)
+run environment "$py" -c "import torch, transformers, trl; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
+if [ "$device" = cuda ]; then
+  run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; from grpo_lab.models import count_parameters; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {count_parameters(m)} parameters, {time.time() - t:.1f} s')"
+fi
+# the notebooks get what is left before the reserve, then SIGINT, so pytest still writes its
+# report and durations
+limit=()
+if [ "$deadline" -gt 0 ]; then
+  left=$((deadline - reserve - SECONDS))
+  limit=(timeout -s INT -k 30 $((left > 30 ? left : 30)))
+fi
+notebooks_start=$SECONDS
+# shellcheck disable=SC2086  # NOTEBOOKS is a list of paths (globs allowed)
+run notebooks "${limit[@]}" env GRPO_LAB_PROFILE="$profile" "$py" -m pytest -q -p no:cacheprovider --durations=0 \
+  -n "${NOTEBOOK_WORKERS:-14}" --junitxml="$out/notebooks.xml" $notebooks
+notebook_seconds=$((SECONDS - notebooks_start))
 for side in "" --fixed; do
   run "scenario-000$side" "$py" -m grpo_lab scenario nan-params-sampling-crash --device "$device" $side
   run "scenario-002$side" "$py" -m grpo_lab scenario pad-token-vocab-mismatch --device "$device" $side
 done
-if [ "$device" = cuda ]; then
-  run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; from grpo_lab.models import count_parameters; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {count_parameters(m)} parameters, {time.time() - t:.1f} s')"
-fi
 run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" "${memory[@]}"
-run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}"
-# GPU_DEADLINE (seconds from the start, 0: none): the notebooks get what is left, then SIGINT,
-# so pytest still writes its report and durations
-limit=()
-if [ "${GPU_DEADLINE:-0}" -gt 0 ]; then
-  limit=(timeout -s INT -k 30 $((GPU_DEADLINE - SECONDS > 10 ? GPU_DEADLINE - SECONDS : 10)))
-fi
-# shellcheck disable=SC2086  # NOTEBOOKS is a list of paths (globs allowed)
-run notebooks "${limit[@]}" env GRPO_LAB_PROFILE="$profile" "$py" -m pytest -q -p no:cacheprovider --durations=0 \
-  -n "${NOTEBOOK_WORKERS:-auto}" --junitxml="$out/notebooks.xml" $notebooks
+run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}" --json "$out/bench.json"
+run summary "$py" benchmarks/gpu_summary.py "$out" --commit "$commit" \
+  --seconds "$SECONDS" --notebook-seconds "$notebook_seconds" --failed "$failed"
 echo "outputs in $out; $failed command(s) failed"
 exit $((failed > 0))

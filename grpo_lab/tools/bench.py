@@ -413,18 +413,11 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
         head.insert(7, "peak CUDA")
         unit.insert(7, "MiB")
     rows = [head, unit]
+    figures = headline(results, args)
     for side in SIDES:
-        r = results[side]
-        wall = statistics.median(r["times"])
-        # per step: completion tokens, and the model FLOPs of prompt + completion tokens
-        tok_s = statistics.median(n / t for n, t in zip(r["tokens"], r["times"], strict=True))
-        mfu = "n/a"
-        if peak is not None:
-            flops = [model_flops_per_step(r["matmul_params"], per_step,
-                                          r["prompt_tokens"] + n / per_step, cfg.beta,
-                                          cfg.num_iterations) for n in r["tokens"]]
-            achieved = statistics.median(f / t for f, t in zip(flops, r["times"], strict=True))
-            mfu = f"{100 * achieved / (peak * 1e12):.2f}%"
+        r, f = results[side], figures[side]
+        wall, tok_s = f["s_per_step"], f["tokens_per_s"]
+        mfu = "n/a" if f["mfu"] is None else f"{100 * f['mfu']:.2f}%"
         row = [side, f"{wall:.3f}", f"{statistics.median(r['cpu_times']):.3f}",
                f"{per_step / wall:.0f}", f"{tok_s:.0f}", mfu, f"{r['peak_rss_mib']:.0f}",
                f"{mean(r['acc0']):.3f} -> {mean(r['acc']):.3f}",
@@ -443,7 +436,6 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
     def ratio(key: str) -> float:
         return statistics.median(results["grpo_lab"][key]) / statistics.median(results["TRL"][key])
 
-    delta = mean(results["grpo_lab"]["acc"]) - mean(results["TRL"]["acc"])
     return "\n".join([
         f"grpo_lab vs TRL {trl.__version__}: torch {torch.__version__}, {args.device}, "
         f"{args.threads} thread(s) per side, {os.cpu_count()} cores",
@@ -461,9 +453,39 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
         f"parameters and {results['grpo_lab']['prompt_tokens']:.1f} prompt tokens per row",
         "",
         f"CPU time ratio (grpo_lab/TRL): {ratio('cpu_times'):.3f}",
-        f"step time ratio (grpo_lab/TRL): {ratio('times'):.3f}",
-        f"accuracy delta (grpo_lab - TRL): {delta:+.3f}",
+        f"step time ratio (grpo_lab/TRL): {figures['step_time_ratio']:.3f}",
+        f"accuracy delta (grpo_lab - TRL): {figures['accuracy_delta']:+.3f}",
     ])
+
+
+def headline(results: dict, args: argparse.Namespace) -> dict:
+    """The figures the benchmark is about, per side: median s/step, median completion
+    tokens/s, median MFU (a fraction of the peak; None with no known peak); and the step-time
+    ratio grpo_lab/TRL and the accuracy delta grpo_lab - TRL."""
+    cfg = bench_config(args)
+    per_step = cfg.prompts_per_step * cfg.group_size
+    peak, _ = peak_tflops(args)
+    out: dict = {"peak_tflops": peak}
+    for side in SIDES:
+        r = results[side]
+        # per step: completion tokens, and the model FLOPs of prompt + completion tokens
+        mfu = None
+        if peak is not None:
+            flops = [model_flops_per_step(r["matmul_params"], per_step,
+                                          r["prompt_tokens"] + n / per_step, cfg.beta,
+                                          cfg.num_iterations) for n in r["tokens"]]
+            mfu = statistics.median(f / t for f, t in zip(flops, r["times"], strict=True)) \
+                / (peak * 1e12)
+        out[side] = {
+            "s_per_step": statistics.median(r["times"]),
+            "tokens_per_s": statistics.median(n / t for n, t in zip(r["tokens"], r["times"],
+                                                                     strict=True)),
+            "mfu": mfu,
+            "accuracy": statistics.mean(r["acc"]),
+        }
+    out["step_time_ratio"] = out["grpo_lab"]["s_per_step"] / out["TRL"]["s_per_step"]
+    out["accuracy_delta"] = out["grpo_lab"]["accuracy"] - out["TRL"]["accuracy"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {side: merge(r) for side, r in runs.items()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seeds": seeds, "steps": args.steps, **results}, f)
+            json.dump({"seeds": seeds, "steps": args.steps, "figures": headline(results, args),
+                       **results}, f)
     print(summary(results, args, seeds))
     return 0
 

@@ -1,0 +1,104 @@
+"""The one summary of benchmarks/gpu_checks.sh's outputs: OUT/summary.json.
+
+    python benchmarks/gpu_summary.py OUT --commit SHA --seconds S --notebook-seconds N
+
+card, date, commit; the notebooks passed and total (a notebook passes when every one of its
+code cells passed under nbval; one the deadline cut short is listed as not finished); the
+seconds of the whole run and of the notebooks; the bench per side (s/step, completion
+tokens/s, MFU against the card's peak) and the step-time ratio grpo_lab/TRL; the exit code of
+each other command. Prints the summary too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nbformat
+
+
+def notebook_results(junit: Path) -> dict:
+    """Per notebook in the junit report: passed when every code cell of the file passed."""
+    cases: dict[str, list[str]] = {}
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            path = case.get("file") or case.get("classname", "").replace(".", "/")
+            path = re.sub(r"/ipynb$", ".ipynb", path)
+            outcome = "passed"
+            for child in case:
+                if child.tag in ("failure", "error"):
+                    outcome = "failed"
+                elif child.tag == "skipped":
+                    outcome = "skipped"
+            cases.setdefault(path, []).append(outcome)
+    passed, failed, unfinished = [], [], []
+    for path, outcomes in sorted(cases.items()):
+        cells = sum(c.cell_type == "code" for c in nbformat.read(path, as_version=4).cells) \
+            if Path(path).exists() else len(outcomes)
+        if "failed" in outcomes:
+            failed.append(path)
+        elif len(outcomes) < cells or "skipped" in outcomes:
+            unfinished.append(path)
+        else:
+            passed.append(path)
+    return {"passed": len(passed), "total": len(cases), "failed": failed,
+            "not_finished": unfinished}
+
+
+def exit_codes(out: Path) -> dict[str, int | None]:
+    """Each saved command's exit code, from its '(exit N, S s)' last line."""
+    codes = {}
+    for txt in sorted(out.glob("*.txt")):
+        found = re.findall(r"^\(exit (\d+), \d+ s\)$", txt.read_text(), re.M)
+        codes[txt.stem] = int(found[-1]) if found else None
+    return codes
+
+
+def card() -> tuple[str, str]:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(), torch.__version__
+    return f"CPU ({platform.processor() or platform.machine()})", torch.__version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--seconds", type=int, required=True)
+    ap.add_argument("--notebook-seconds", type=int, required=True)
+    ap.add_argument("--failed", type=int, default=0, help="commands failed before this one")
+    args = ap.parse_args(argv)
+    name, torch_version = card()
+    bench = {}
+    bench_file = args.out / "bench.json"
+    if bench_file.exists():
+        figures = json.loads(bench_file.read_text())["figures"]
+        bench = {side: {k: figures[side][k] for k in ("s_per_step", "tokens_per_s", "mfu")}
+                 for side in ("grpo_lab", "TRL")}
+        bench |= {k: figures[k] for k in ("step_time_ratio", "accuracy_delta", "peak_tflops")}
+    summary = {
+        "card": name, "torch": torch_version,
+        "date": datetime.date.today().isoformat(), "commit": args.commit,
+        "notebooks": notebook_results(args.out / "notebooks.xml"),
+        "seconds": {"total": args.seconds, "notebooks": args.notebook_seconds},
+        "bench": bench,
+        "commands": {k: v for k, v in exit_codes(args.out).items() if k != "summary"},
+        "commands_failed": args.failed,
+    }
+    text = json.dumps(summary, indent=1)
+    (args.out / "summary.json").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
