@@ -301,8 +301,9 @@ def test_the_grader_checks_health_and_accumulation_in_its_sandbox(tmp_path,
     broken = {
         NB07: ("        run.snapshot.restore(run.policy, run.optimizer)",
                "        run.policy.load_state_dict(run.snapshot.model_state)"),
-        NB08: ("        scale = (whole[rows].sum() / own.sum()).item()",
-               "        scale = 1.0 / cfg.grad_accum_steps"),
+        NB08: ("                                   weights[rows], cfg)",
+               "                                   token_weights(mask[rows], cfg.loss_type, "
+               "cfg.max_new_tokens) / cfg.grad_accum_steps, cfg)"),
     }
     paths = []
     for path, (old, new) in broken.items():

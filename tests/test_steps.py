@@ -75,6 +75,24 @@ def test_the_learners_step_in_trainers_loop_checkpoints_and_resumes_exactly(tmp_
     assert without_timing(read_metrics(tmp_path / "resumed")) == straight
 
 
+def test_the_learners_loss_trains_in_the_engines_step():
+    """One loss signature: the learner's grpo_loss given to the engine's step (micro-batches,
+    the whole batch's token weights sliced per micro-batch) makes the update the engine's own
+    loss makes. Both compute the same ops in the same order on the same inputs, so the
+    parameters agree exactly, on any machine."""
+    from grpo_lab import step as engine
+
+    cfg = preset("stable", steps=2, eval_every=0, eval_size=8, grad_accum_steps=2,
+                 prompts_per_step=2, group_size=4)
+    params = {}
+    for name, loss_fn in (("engine", engine.grpo_loss), ("learner", steps.grpo_loss)):
+        trainer = Trainer(cfg, fast=False, step_fn=partial(engine.grpo_step, loss_fn=loss_fn))
+        history = trainer.train(progress=False)
+        params[name] = _params(trainer.policy)
+        assert 0 < history[-1]["kl"] < 1, (name, history[-1])
+    assert torch.equal(params["engine"], params["learner"])
+
+
 def test_the_fast_trainer_differs_only_by_rounding():
     """The fast path's gradients equal the plain path's to float rounding; AdamW's first
     step, lr * g / (|g| + eps), can still turn that rounding on near-zero gradient entries
@@ -150,9 +168,9 @@ def test_stats_averaged_over_padding_are_named():
     position: the check names the padding."""
     over_padding = step_checks._loss_mutant("stats_over_padding")
 
-    def loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
-        value, _ = steps.grpo_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg)
-        return value, over_padding(logp, old_logp, ref_logp, advantages, completion_mask, cfg)
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
+        value, _ = steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+        return value, over_padding(logp, old_logp, ref_logp, advantages, weights, cfg)
 
     result = step_checks.check_grpo_loss(loss)
     assert result.status == "failed"
@@ -162,10 +180,9 @@ def test_stats_averaged_over_padding_are_named():
 def test_a_loss_error_no_mistake_explains_is_located_by_row_and_token():
     """A loss that puts weight on padding matches no known mistake: the message says where
     the gradient differs, that those positions are padding, and never only a count."""
-    def loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
-        value, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, completion_mask,
-                                       cfg)
-        return value + 0.01 * (logp * (1 - completion_mask)).sum(), stats
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
+        value, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+        return value + 0.01 * (logp * (weights == 0)).sum(), stats
 
     reason = step_checks.check_grpo_loss(loss).reason
     assert re.search(r"first at row \d+, token \d+, padding \(mask 0\)", reason), reason
@@ -173,13 +190,12 @@ def test_a_loss_error_no_mistake_explains_is_located_by_row_and_token():
 
 
 def test_advantages_that_carry_a_gradient_are_named():
-    from grpo_lab.objective import clipped_surrogate, kl_k3, token_weights
+    from grpo_lab.objective import clipped_surrogate, kl_k3
 
-    def leaky(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+    def leaky(logp, old_logp, ref_logp, advantages, weights, cfg):
         per_token, _ = clipped_surrogate(logp, old_logp, advantages, cfg.epsilon_low,
                                          cfg.epsilon_high, cfg.log_ratio_clamp)
-        w = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
-        return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * w).sum(), {}
+        return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
 
     result = step_checks.check_grpo_loss(leaky)
     assert result.status == "failed" and "advantages not detached" in result.reason

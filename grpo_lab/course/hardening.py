@@ -68,22 +68,18 @@ def accumulated_grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     """steps.grpo_step with the gradient of the step's loss accumulated over
     cfg.grad_accum_steps micro-batches (micro_batch_slices of the B rows), then one update.
 
-    The loss of a micro-batch, `loss_fn(...)` on its rows, is normalised by that micro-batch
-    alone (token_weights of its own mask); multiplied by
-
-        scale_k = token_weights(whole mask)[rows_k].sum() / token_weights(mask[rows_k]).sum()
-
-    it becomes the whole batch's loss restricted to those rows (for every loss type the
-    micro-batch's weights are the whole batch's times one constant), so the scaled losses
-    sum to the full-batch loss and their gradients, which backward() adds into .grad, to the
-    full-batch gradient. Metrics as grpo_step's: 'loss' is that sum, each entry of the loss's
-    stats the mean of the micro-batches' values weighted by their completion tokens (exact
-    for token means: kl, clip_ratio/region_mean)."""
+    The token weights are computed once, on the whole batch's mask, and each micro-batch's
+    loss gets its rows of them: the micro-batch losses are then the whole batch's loss
+    restricted to their rows, so they sum to the full-batch loss and their gradients, which
+    backward() adds into .grad, to the full-batch gradient, for every loss type (as the
+    engine's step.accumulate does it). Metrics as grpo_step's: 'loss' is that sum, each entry
+    of the loss's stats the mean of the micro-batches' values weighted by their completion
+    tokens (exact for token means: kl, clip_ratio/region_mean)."""
     cfg = run.cfg
     rollout, rewards, advantages, ref_logp = sample_and_score(run, problems, sample_fn)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask  # (B, C)
-    whole = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C)
+    weights = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C): the whole batch's
     n_tokens = max(int(mask.sum()), 1)
     run.optimizer.zero_grad(set_to_none=True)  # once, before the loop
     loss, stats = 0.0, {}
@@ -91,11 +87,9 @@ def accumulated_grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
         logp = completion_logprobs(run.policy, ids[rows], attention[rows], C,
                                    cfg.temperature)  # (b, C)
         part, part_stats = loss_fn(logp, logp.detach(), ref_logp[rows], advantages[rows],
-                                   mask[rows], cfg)
-        own = token_weights(mask[rows], cfg.loss_type, cfg.max_new_tokens).sum()
-        scale = (whole[rows].sum() / own).item() if own > 0 else 0.0
-        (part * scale).backward()  # adds into .grad
-        loss += part.item() * scale
+                                   weights[rows], cfg)
+        part.backward()  # adds into .grad
+        loss += part.item()
         share = int(mask[rows].sum()) / n_tokens
         for k, v in part_stats.items():
             stats[k] = stats.get(k, 0.0) + float(v) * share

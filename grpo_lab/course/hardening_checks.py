@@ -408,16 +408,14 @@ def _accumulated_variant(run, problems, loss_fn, update_fn, mistake: str) -> dic
         if mistake in ("zero_grad_inside", "step_inside_loop"):
             run.optimizer.zero_grad(set_to_none=True)
         logp = completion_logprobs(run.policy, ids[rows], attention[rows], C, cfg.temperature)
-        part, _ = loss_fn(logp, logp.detach(), ref_logp[rows], advantages[rows], mask[rows], cfg)
-        if mistake == "per_micro_batch_normalisation":
-            scale = 1.0 / k
-        elif mistake == "micro_batch_losses_not_rescaled":
-            scale = 1.0
-        else:
-            own = token_weights(mask[rows], cfg.loss_type, cfg.max_new_tokens).sum()
-            scale = (whole[rows].sum() / own).item()
+        weights = whole[rows]
+        if mistake in ("per_micro_batch_normalisation", "micro_batch_weights"):
+            weights = token_weights(mask[rows], cfg.loss_type, cfg.max_new_tokens)
+            if mistake == "per_micro_batch_normalisation":
+                weights = weights / k
+        part, _ = loss_fn(logp, logp.detach(), ref_logp[rows], advantages[rows], weights, cfg)
         if mistake == "copy_instead_of_add":
-            grads = torch.autograd.grad(part * scale, params, allow_unused=True)
+            grads = torch.autograd.grad(part, params, allow_unused=True)
             for p, g in zip(params, grads, strict=True):
                 if g is None:
                     continue
@@ -426,7 +424,7 @@ def _accumulated_variant(run, problems, loss_fn, update_fn, mistake: str) -> dic
                 else:
                     p.grad.copy_(g)
         else:
-            (part * scale).backward()
+            part.backward()
         if stepping:
             update_fn(run)
     if not stepping:
@@ -459,15 +457,16 @@ ACCUMULATION_MISTAKES = {
     "clearing the gradients in between: every update steps with the gradient summed so far, "
     "so the first micro-batch's gradient is applied k times. Call `update_fn(run)` once, "
     "after the loop",
-    "per_micro_batch_normalisation": "each micro-batch's loss is normalised by that "
-    "micro-batch alone (your loss_fn's token_weights see only its mask) and divided by k: a "
-    "micro-batch with fewer rows (grpo, dr_grpo) or fewer tokens (bnpo, dapo) then weighs more "
-    "than it does in the whole batch. Multiply it by token_weights(whole mask)[rows].sum() / "
-    "token_weights(mask[rows]).sum() instead",
-    "micro_batch_losses_not_rescaled": "each micro-batch's loss is used as loss_fn returns "
-    "it, normalised by that micro-batch alone, and the k losses summed: about k times the "
-    "whole batch's loss, and weighted differently. Multiply each by "
-    "token_weights(whole mask)[rows].sum() / token_weights(mask[rows]).sum()",
+    "per_micro_batch_normalisation": "each micro-batch's token weights come from that "
+    "micro-batch's mask alone (`token_weights(mask[rows], ...)`) and the loss is divided by "
+    "k: a micro-batch with fewer rows (grpo, dr_grpo) or fewer tokens (bnpo, dapo) then "
+    "weighs more than it does in the whole batch. Compute the weights once, on the whole "
+    "batch's mask, and give each micro-batch its rows of them: `weights[rows]`",
+    "micro_batch_weights": "each micro-batch's token weights come from that micro-batch's "
+    "mask alone (`token_weights(mask[rows], ...)`), so each micro-batch's loss is normalised "
+    "as if it were the whole batch, and the k losses sum to about k times the batch's loss, "
+    "weighted differently. Compute the weights once, on the whole batch's mask, and give "
+    "each micro-batch its rows of them: `weights[rows]`",
     "no_zero_grad": "your step never clears the gradients before the micro-batch loop: the "
     "gradients left in .grad by the last step are added to this one's",
 }
@@ -502,7 +501,7 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
                          ACCUMULATION_MISTAKES)
             got = out["metrics"]
             for key, what in (("reward", ""), ("grad_norm", ""),
-                              ("loss", " (the sum of the rescaled micro-batch losses: the "
+                              ("loss", " (the sum of the micro-batch losses: the "
                                        "whole batch's loss)"),
                               ("kl", " (the micro-batches' kl weighted by their completion "
                                      "tokens)")):

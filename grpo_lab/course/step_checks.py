@@ -175,7 +175,8 @@ def drive_logprobs(fn, seed: int = 0, temperature: float = 0.7) -> dict:
 
 def _loss_case(seed: int, drift: float = 0.0, **overrides):
     """A batch of 8 completions of up to 5 tokens; `drift` moves the reference's log-probs
-    down by that much per token (a summed log-ratio of up to 5 x drift)."""
+    down by that much per token (a summed log-ratio of up to 5 x drift). Returns the config,
+    a loss's five tensor arguments (the token weights of the batch's mask fifth), the mask."""
     cfg = fixture_cfg(seed, **overrides)
     g = _gen(seed)
     B, C = 8, 5
@@ -185,13 +186,14 @@ def _loss_case(seed: int, drift: float = 0.0, **overrides):
     lengths = torch.randint(1, C + 1, (B,), generator=g)
     mask = (torch.arange(C)[None] < lengths[:, None]).long()
     advantages = torch.randn(B, generator=g)
-    return cfg, (logp, old_logp, ref_logp, advantages, mask)
+    weights = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # as the step computes them
+    return cfg, (logp, old_logp, ref_logp, advantages, weights), mask
 
 
 def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
     """The loss and its gradient with respect to logp. The advantages come in as a tensor
     that carries a gradient (as if a graph had computed them): none may flow into them."""
-    cfg, args = _loss_case(seed, drift, **overrides)
+    cfg, args, mask = _loss_case(seed, drift, **overrides)
     advantages = args[3].clone().requires_grad_()
     out = fn(*args[:3], advantages, args[4], cfg)
     if not (isinstance(out, tuple) and len(out) == 2):
@@ -206,7 +208,7 @@ def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
             "stats": {k: float(v) for k, v in stats.items() if isinstance(k, str)
                       and isinstance(v, (int, float, torch.Tensor))
                       and (not isinstance(v, torch.Tensor) or v.numel() == 1)},
-            "mask": args[4]}
+            "mask": mask}
 
 
 # the drivers a grading worker may run, by name (each checker module keeps its own)
@@ -278,6 +280,16 @@ def _step_mutant(mistake: str) -> Callable:
             def without_flags(model, tok, prompts, G, n, temperature=1.0, *rest, **kw):
                 return sample_group(model, tok, prompts, G, n, temperature)
             return steps.grpo_step(run, problems, loss_fn, update_fn, sample_fn=without_flags)
+        if mistake == "loss_type_ignored":
+            def as_grpo(mask, loss_type, max_new_tokens, **kw):
+                return token_weights(mask, "grpo", max_new_tokens, **kw)
+            with _patched(steps, token_weights=as_grpo):
+                return steps.grpo_step(run, problems, loss_fn, update_fn)
+        if mistake == "weights_over_padding":
+            def with_padding(mask, loss_type, max_new_tokens, **kw):
+                return token_weights(torch.ones_like(mask), loss_type, max_new_tokens, **kw)
+            with _patched(steps, token_weights=with_padding):
+                return steps.grpo_step(run, problems, loss_fn, update_fn)
         if mistake == "reference_is_policy":
             policy = run.policy
 
@@ -311,6 +323,11 @@ STEP_MISTAKES = {
     "temperature_ignored": "the training forward ignores the temperature: log-probs must "
     "come from the distribution the sampler drew from, `completion_logprobs(..., "
     "cfg.temperature)`, or the ratio does not start at 1",
+    "loss_type_ignored": "the token weights ignore `cfg.loss_type` (always the grpo "
+    "per-sequence mean): `token_weights(mask, cfg.loss_type, cfg.max_new_tokens)`",
+    "weights_over_padding": "the token weights count padding positions: compute them from the "
+    "completion mask, `token_weights(rollout.completion_mask, cfg.loss_type, "
+    "cfg.max_new_tokens)`, which is 0 on padding",
     "reference_is_policy": "the reference log-probs come from the policy, not from "
     "`run.reference`: the KL term then measures nothing",
     "sampler_flags_dropped": "your step does not pass `cfg.top_k` and `cfg.top_p` to the "
@@ -321,44 +338,43 @@ STEP_MISTAKES = {
 
 
 def _loss_mutant(mistake: str) -> Callable:
-    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
         c = copy.copy(cfg)
         if mistake == "kl_sign":
             c.beta = -cfg.beta
         elif mistake == "kl_swapped":
-            return _with_kl(logp, old_logp, ref_logp, advantages, mask, cfg,
+            return _with_kl(logp, old_logp, ref_logp, advantages, weights, cfg,
                             kl_k3(ref_logp, logp))
         elif mistake == "beta_ignored":
             c.beta = 0.0
         elif mistake == "ratio_against_reference":
-            return steps.grpo_loss(logp, ref_logp, ref_logp, advantages, mask, cfg)
+            return steps.grpo_loss(logp, ref_logp, ref_logp, advantages, weights, cfg)
         elif mistake == "constant_clip":
             with _patched(steps, clipped_surrogate=naive.constant_clip_surrogate):
-                return steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
-        elif mistake == "no_mask":
+                return steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+        elif mistake == "weights_ignored":  # a plain mean over every (row, token) position
             return steps.grpo_loss(logp, old_logp, ref_logp, advantages,
-                                   torch.ones_like(mask), cfg)
-        elif mistake == "loss_type_ignored":
-            c.loss_type = "grpo"
+                                   torch.full_like(weights, 1 / weights.numel()), cfg)
         elif mistake == "no_clip":
             c.epsilon_low = c.epsilon_high = 1e9
         elif mistake == "sign":
-            out, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
+            out, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
             return -out, stats
-        elif mistake == "stats_over_padding":
-            return steps.grpo_loss(logp, old_logp, ref_logp, advantages, torch.ones_like(mask),
-                                   cfg)[1]
+        elif mistake == "stats_over_padding":  # the stats alone, as means over every position
+            _, clipped = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
+                                           cfg.epsilon_high, cfg.log_ratio_clamp)
+            return {"kl": kl_k3(logp, ref_logp).detach().mean().item(),
+                    "clip_ratio/region_mean": clipped.float().mean().item()}
         else:
             raise KeyError(mistake)
-        return steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, c)
+        return steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, c)
     return loss
 
 
-def _with_kl(logp, old_logp, ref_logp, advantages, mask, cfg, kl):
+def _with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl):
     per_token, _ = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
                                      cfg.epsilon_high, cfg.log_ratio_clamp)
-    w = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
-    return ((per_token + cfg.beta * kl) * w).sum(), {}
+    return ((per_token + cfg.beta * kl) * weights).sum(), {}
 
 
 LOSS_MISTAKES = {
@@ -371,10 +387,9 @@ LOSS_MISTAKES = {
     "instead of pi_old (`old_logp`): report 001's mistake",
     "constant_clip": "the clipped term is the constant clip range (`eps * A`), report "
     "001's `clip_ratio * advantage`, not `clip(r, 1 - eps_low, 1 + eps_high) * A`",
-    "no_mask": "padding positions count: weight the tokens with `token_weights(mask, "
-    "cfg.loss_type, cfg.max_new_tokens)`, which is 0 on padding",
-    "loss_type_ignored": "the token weights ignore `cfg.loss_type` (always the grpo "
-    "per-sequence mean): pass it to `token_weights`",
+    "weights_ignored": "the token weights are not used: the loss is a plain mean over every "
+    "(row, token) position, padding included; multiply each token's term by `weights` (0 on "
+    "padding, the loss type's normalisation elsewhere) and sum",
     "no_clip": "nothing is clipped: the surrogate is -r x A without the trust region",
     "sign": "the loss has the opposite sign: a loss is minimised, so it is -min(r A, clip A)",
 }
@@ -383,7 +398,7 @@ LOSS_MISTAKES = {
 STATS_MISTAKES = {
     "stats_over_padding": "the stats are averaged over padding too: 'kl' and "
     "'clip_ratio/region_mean' are means over the completion tokens only, "
-    "`masked_mean(x, completion_mask)`; a padding position is no token of any completion, "
+    "`masked_mean(x, weights > 0)`; a padding position is no token of any completion, "
     "and counting it shrinks both numbers by the padded share of the batch",
 }
 
@@ -578,7 +593,7 @@ def _check_stat(got: dict, want: dict, key: str, params: dict) -> None:
                        f"{sorted(got)[:8]}): return it with the loss, the metrics show it")
     if math.isclose(got[key], want[key], rel_tol=1e-4, abs_tol=1e-6):
         return
-    cfg, args = _loss_case(**params)
+    cfg, args, _ = _loss_case(**params)
     for name, message in STATS_MISTAKES.items():
         other = _loss_mutant(name)(*args, cfg)  # the mutant returns the stats alone
         if math.isclose(got[key], float(other[key]), rel_tol=1e-4, abs_tol=1e-6):
@@ -650,8 +665,17 @@ def check_grpo_step(fn: Callable) -> CheckResult:
                         if key in ("kl", "clip_ratio/region_mean") else ""
                     raise Mismatch(f"the metrics have no {key!r}{from_loss} (keys: "
                                    f"{sorted(got)[:8]})")
-                _expect(float(got[key]), float(want["metrics"][key]), f"metrics[{key!r}]",
-                        atol=1e-5, rtol=1e-4)
+                value, expected = float(got[key]), float(want["metrics"][key])
+                if not math.isclose(value, expected, rel_tol=1e-4, abs_tol=1e-5):
+                    # an update AdamW's first step makes alike (it is scale-free per
+                    # coordinate) can still show a known mistake in a metric
+                    for name, mutant in mutants.items():
+                        theirs = drive_step(mutant, seed, **overrides)["metrics"].get(key)
+                        if theirs is not None and math.isclose(float(theirs), value,
+                                                               rel_tol=1e-4, abs_tol=1e-5):
+                            raise Mismatch(f"metrics[{key!r}] is {value:.6g}, expected "
+                                           f"{expected:.6g}: {STEP_MISTAKES[name]}")
+                _expect(value, expected, f"metrics[{key!r}]", atol=1e-5, rtol=1e-4)
         return run
 
     return run_check("grpo_step", fn, ref, [
@@ -662,26 +686,27 @@ def check_grpo_step(fn: Callable) -> CheckResult:
     ])
 
 
-def _report_variant(logp, base, ref_logp, advantages, mask, cfg, summed=True, constant=True):
+def _report_variant(logp, base, ref_logp, advantages, weights, cfg, summed=True,
+                    constant=True):
     """Report 001's loss with its three choices as switches: the ratio against `base`,
     summed over the completion or per token, and the constant or the clipped-ratio term."""
-    ratio_logp, ratio_base = (naive.sequence_log_ratio_inputs(logp, base, mask) if summed
-                              else (logp, base))
+    ratio_logp, ratio_base = (naive.sequence_log_ratio_inputs(logp, base, weights > 0)
+                              if summed else (logp, base))
     surrogate = naive.constant_clip_surrogate if constant else clipped_surrogate
     per_token, _ = surrogate(ratio_logp, ratio_base, advantages.detach(), cfg.epsilon_low,
                              cfg.epsilon_high, None)
-    w = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
-    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * w).sum(), {}
+    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
 
 
 def _reported_mutant(mistake: str) -> Callable:
-    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
         if mistake == "ratio_against_old":
-            return _report_variant(logp, old_logp, ref_logp, advantages, mask, cfg)
+            return _report_variant(logp, old_logp, ref_logp, advantages, weights, cfg)
         if mistake == "per_token_ratio":
-            return _report_variant(logp, ref_logp, ref_logp, advantages, mask, cfg, summed=False)
+            return _report_variant(logp, ref_logp, ref_logp, advantages, weights, cfg,
+                                   summed=False)
         if mistake == "clipped_ratio":
-            return _report_variant(logp, ref_logp, ref_logp, advantages, mask, cfg,
+            return _report_variant(logp, ref_logp, ref_logp, advantages, weights, cfg,
                                    constant=False)
         raise KeyError(mistake)
     return loss
@@ -706,20 +731,19 @@ def check_reported_loss(fn: Callable) -> CheckResult:
 
 
 def _clamp_mutant(mistake: str) -> Callable:
-    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
         if mistake == "no_clamp":
-            return steps.reported_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
+            return steps.reported_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
         if mistake == "ratio_clamped":  # clamp(exp(log r)) instead of exp(clamp(log r))
             c = copy.copy(cfg)
             c.log_ratio_clamp = None
-            m = mask.float()
+            m = (weights > 0).float()
             log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)
             ratio = torch.exp(log_ratio).clamp(math.exp(-cfg.log_ratio_clamp),
                                                math.exp(cfg.log_ratio_clamp))
             adv = advantages.detach().unsqueeze(-1)
             per_token = -torch.min(ratio * adv, cfg.epsilon_low * adv)
-            w = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
-            return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * w).sum(), {}
+            return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
         raise KeyError(mistake)
     return loss
 
@@ -842,16 +866,16 @@ def check_guarded_update(fn: Callable) -> CheckResult:
 
 
 def _report003_mutant(mistake: str) -> Callable:
-    def loss(logp, old_logp, ref_logp, advantages, mask, cfg):
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
         if mistake == "k3_kept":
-            return steps.grpo_loss(logp, old_logp, ref_logp, advantages, mask, cfg)
+            return steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
         if mistake == "one_sided_clamp_missing":
             kl = (ref_logp - logp).clamp(-10, 10)
         elif mistake == "delta_reversed":
             kl = (logp - ref_logp).clamp(-10, 10).clamp(0, 10)
         else:
             raise KeyError(mistake)
-        return _with_kl(logp, old_logp, ref_logp, advantages, mask, cfg, kl)
+        return _with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
     return loss
 
 

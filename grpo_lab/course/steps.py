@@ -11,8 +11,8 @@ Notebook 04 builds one GRPO step from the learner's own pieces:
     grpo_step             sample, score, advantages, loss, backward, update, metrics
 
 Every loss has the same signature, `loss_fn(logp, old_logp, ref_logp, advantages,
-completion_mask, cfg) -> (loss, stats)`, and the step takes the loss and the update as
-arguments: a later notebook hardens the trainer by passing a better function, and the rest
+weights, cfg) -> (loss, stats)` (the engine's, step.py: weights are the batch's token
+weights), and the step takes the loss and the update as arguments: a later notebook hardens the trainer by passing a better function, and the rest
 of the learner's step stays theirs. The reference versions here are what a notebook runs
 where an exercise is not implemented yet; they compute what `Trainer.step()` computes (at
 mu = 1, one micro-batch), which notebook 11 checks to 1e-5.
@@ -20,8 +20,8 @@ mu = 1, one micro-batch), which notebook 11 checks to 1e-5.
 `Run` (step.py) holds what a step works on; `new_run` is a `Trainer`'s run (same seed, same
 model, same prompt stream), and `train` runs any step function in `Trainer`'s loop: a
 progress bar, held-out evaluation and a callback, writing the history `plots.LivePlot` reads.
-The engine's step (`step.grpo_step`) has the same signature; its losses take the batch's
-token weights in place of the mask, so that micro-batches slice one batch.
+The engine's step (`step.grpo_step`) has the same signature and calls its loss the same way,
+so a loss of the learner's trains in it too (micro-batches, mu > 1, DDP).
 """
 
 from __future__ import annotations
@@ -85,75 +85,75 @@ def sample_tokens(model, prompt_ids, prompt_mask, max_new_tokens: int, temperatu
 
 
 # --- the pieces of one step (notebook 04) --------------------------------------------------
-def reinforce_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+# Every loss takes the batch's token weights (token_weights of the step's mask, 0 on padding):
+# a loss is a weighted sum over tokens, so a micro-batch's loss is the same sum over its rows.
+def reinforce_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
     """REINFORCE with the group mean as baseline: the policy gradient, nothing else.
 
-    logp (B, C) log-probs of the sampled tokens (with grad); advantages (B,);
-    completion_mask (B, C) 1 on completion tokens. old_logp, ref_logp, cfg: unused (the
-    signature every loss of the learner's trainer shares).
-    returns (scalar loss, {}): -1/B sum_i A_i * mean_t logp_it over each completion's tokens
+    logp (B, C) log-probs of the sampled tokens (with grad); advantages (B,); weights (B, C)
+    the token weights (0 on padding). old_logp, ref_logp, cfg: unused (the signature every
+    loss shares). returns (scalar loss, {}): -sum_it w_it A_i logp_it; with loss_type grpo,
+    -1/B sum_i A_i * mean_t logp_it over each completion's tokens
     """
-    m = completion_mask.float()
-    seq_logp = (logp * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # (B,)
-    return -(advantages.detach() * seq_logp).mean(), {}
+    return -(advantages.detach()[:, None] * logp * weights).sum(), {}
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+def grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
     """The GRPO loss of a batch (DeepSeekMath; TRL), from the pieces of notebook 03.
 
     logp (B, C) now, with grad; old_logp (B, C) pi_old, detached; ref_logp (B, C) the
-    frozen reference; advantages (B,); completion_mask (B, C).
-    returns (scalar loss, stats): loss = sum_it w_it (-min(r A, clip(r) A) + beta * k3_it),
-    w = token_weights(mask, cfg.loss_type); stats: 'kl' and 'clip_ratio' (token means)
+    frozen reference; advantages (B,); weights (B, C) the token weights.
+    returns (scalar loss, stats): loss = sum_it w_it (-min(r A, clip(r) A) + beta * k3_it);
+    stats: 'kl' and 'clip_ratio/region_mean', means over the completion tokens (w > 0)
     """
     advantages = advantages.detach()  # constants of the step: the loss must not move them
     per_token, clipped = clipped_surrogate(logp, old_logp, advantages, cfg.epsilon_low,
                                            cfg.epsilon_high, cfg.log_ratio_clamp)  # (B, C)
     kl = kl_k3(logp, ref_logp)  # (B, C)
-    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
-    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
-                  "clip_ratio/region_mean": masked_mean(clipped.float(), completion_mask).item()}
+    tokens = weights > 0
+    return loss, {"kl": masked_mean(kl.detach(), tokens).item(),
+                  "clip_ratio/region_mean": masked_mean(clipped.float(), tokens).item()}
 
 
-def reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+def reported_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
     """Report 001's policy loss, as the course reads it (notebook 05), same signature:
     the log-ratio against the *reference*, summed over each completion, `exp` without a
     clamp, and the clipped term the constant clip range: -min(r A, eps_low A); plus
     beta * k3. stats: 'kl' and 'log_ratio/max_abs' (the largest |summed log-ratio|)."""
+    tokens = weights > 0
     per_token, log_ratio = naive.reported_surrogate(  # (B, 1) each: one ratio per row
-        logp, ref_logp, advantages.detach(), completion_mask, cfg.epsilon_low)
+        logp, ref_logp, advantages.detach(), tokens, cfg.epsilon_low)
     kl = kl_k3(logp, ref_logp)  # (B, C)
-    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
-    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
+    return loss, {"kl": masked_mean(kl.detach(), tokens).item(),
                   "log_ratio/max_abs": log_ratio.detach().abs().max().item()}
 
 
-def report003_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+def report003_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
     """grpo_loss with report 003's KL "fix" in place of k3 (notebook 09):
     kl = (ref_logp - logp).clamp(-10, 10).clamp(0, 10). stats: 'kl' (that number, what the
     report logged) and 'kl_k3' (k3 on the same tokens: the drift it no longer shows)."""
     per_token, clipped = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
                                            cfg.epsilon_high, cfg.log_ratio_clamp)  # (B, C)
     kl = naive.report003_kl(logp, ref_logp)  # (B, C)
-    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
-    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
-                  "kl_k3": masked_mean(kl_k3(logp, ref_logp).detach(), completion_mask).item(),
-                  "clip_ratio/region_mean": masked_mean(clipped.float(), completion_mask).item()}
+    tokens = weights > 0
+    return loss, {"kl": masked_mean(kl.detach(), tokens).item(),
+                  "kl_k3": masked_mean(kl_k3(logp, ref_logp).detach(), tokens).item(),
+                  "clip_ratio/region_mean": masked_mean(clipped.float(), tokens).item()}
 
 
-def clamped_reported_loss(logp, old_logp, ref_logp, advantages, completion_mask, cfg):
+def clamped_reported_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
     """reported_loss with the reports' first fix (notebook 06): the summed log-ratio clamped
     to [-cfg.log_ratio_clamp, cfg.log_ratio_clamp] before `exp`, so it cannot overflow."""
+    tokens = weights > 0
     per_token, log_ratio = naive.reported_surrogate(
-        logp, ref_logp, advantages.detach(), completion_mask, cfg.epsilon_low,
+        logp, ref_logp, advantages.detach(), tokens, cfg.epsilon_low,
         cfg.log_ratio_clamp if cfg.log_ratio_clamp is not None else math.inf)
     kl = kl_k3(logp, ref_logp)  # (B, C)
-    weights = token_weights(completion_mask, cfg.loss_type, cfg.max_new_tokens)
     loss = ((per_token + cfg.beta * kl) * weights).sum()
-    return loss, {"kl": masked_mean(kl.detach(), completion_mask).item(),
+    return loss, {"kl": masked_mean(kl.detach(), tokens).item(),
                   "log_ratio/max_abs": log_ratio.detach().abs().max().item()}
 
 
@@ -233,10 +233,11 @@ def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     rollout, rewards, advantages, ref_logp = sample_and_score(run, problems, sample_fn)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask  # (B, C)
+    weights = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)  # (B, C), 0 on padding
     run.optimizer.zero_grad(set_to_none=True)
     logp = completion_logprobs(run.policy, ids, attention, C, cfg.temperature)  # (B, C)
     # pi_old is the policy that sampled, i.e. this forward, detached: the ratio starts at 1
-    loss, stats = loss_fn(logp, logp.detach(), ref_logp, advantages, mask, cfg)
+    loss, stats = loss_fn(logp, logp.detach(), ref_logp, advantages, weights, cfg)
     loss.backward()
     grad_norm, skipped = update_fn(run)
     run.step_count += 1
