@@ -71,16 +71,18 @@ if [ "$deadline" -gt 0 ]; then
 fi
 notebooks_start=$SECONDS
 # shellcheck disable=SC2086  # NOTEBOOKS is a list of paths (globs allowed)
-run notebooks "${limit[@]}" env GRPO_LAB_PROFILE="$profile" "$py" -m pytest -q -p no:cacheprovider --durations=0 \
+run notebooks ${limit[@]+"${limit[@]}"} env GRPO_LAB_PROFILE="$profile" "$py" -m pytest -q -p no:cacheprovider --durations=0 \
   -n "${NOTEBOOK_WORKERS:-14}" --junitxml="$out/notebooks.xml" $notebooks
 notebook_seconds=$((SECONDS - notebooks_start))
 for side in "" --fixed; do
   run "scenario-000$side" "$py" -m grpo_lab scenario nan-params-sampling-crash --device "$device" $side
   run "scenario-002$side" "$py" -m grpo_lab scenario pad-token-vocab-mismatch --device "$device" $side
 done
-run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" "${memory[@]}"
+run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" ${memory[@]+"${memory[@]}"}
 run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}" --json "$out/bench.json"
+# shellcheck disable=SC2086
 run summary "$py" benchmarks/gpu_summary.py "$out" --commit "$commit" \
-  --seconds "$SECONDS" --notebook-seconds "$notebook_seconds" --failed "$failed"
+  --seconds "$SECONDS" --notebook-seconds "$notebook_seconds" --failed "$failed" \
+  --notebooks $notebooks
 echo "outputs in $out; $failed command(s) failed"
 exit $((failed > 0))

@@ -22,8 +22,10 @@ from pathlib import Path
 import nbformat
 
 
-def notebook_results(junit: Path) -> dict:
-    """Per notebook in the junit report: passed when every code cell of the file passed."""
+def notebook_results(junit: Path, expected: list[str]) -> dict:
+    """Per notebook: passed when every code cell of the file passed in the junit report;
+    `expected` (the notebooks the run was given) counts those that never started, or all of
+    them when the report is missing, as not finished."""
     cases: dict[str, list[str]] = {}
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -36,7 +38,7 @@ def notebook_results(junit: Path) -> dict:
                 elif child.tag == "skipped":
                     outcome = "skipped"
             cases.setdefault(path, []).append(outcome)
-    passed, failed, unfinished = [], [], []
+    passed, failed, unfinished = [], [], sorted(set(expected) - set(cases))
     for path, outcomes in sorted(cases.items()):
         cells = sum(c.cell_type == "code" for c in nbformat.read(path, as_version=4).cells) \
             if Path(path).exists() else len(outcomes)
@@ -46,8 +48,8 @@ def notebook_results(junit: Path) -> dict:
             unfinished.append(path)
         else:
             passed.append(path)
-    return {"passed": len(passed), "total": len(cases), "failed": failed,
-            "not_finished": unfinished}
+    return {"passed": len(passed), "total": len(set(expected) | set(cases)), "failed": failed,
+            "not_finished": sorted(unfinished)}
 
 
 def exit_codes(out: Path) -> dict[str, int | None]:
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=int, required=True)
     ap.add_argument("--notebook-seconds", type=int, required=True)
     ap.add_argument("--failed", type=int, default=0, help="commands failed before this one")
+    ap.add_argument("--notebooks", nargs="*", default=[], help="the notebooks the run was given")
     args = ap.parse_args(argv)
     name, torch_version = card()
     bench = {}
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "card": name, "torch": torch_version,
         "date": datetime.date.today().isoformat(), "commit": args.commit,
-        "notebooks": notebook_results(args.out / "notebooks.xml"),
+        "notebooks": notebook_results(args.out / "notebooks.xml", args.notebooks),
         "seconds": {"total": args.seconds, "notebooks": args.notebook_seconds},
         "bench": bench,
         "commands": {k: v for k, v in exit_codes(args.out).items() if k != "summary"},

@@ -24,12 +24,14 @@ names ending in 'max_abs' (maxima); the step combines micro-batches and ranks by
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -158,6 +160,34 @@ def loss_for(cfg: GRPOConfig) -> LossFn:
     return grpo_loss
 
 
+def step_argument(step_fn: Callable, name: str) -> Callable | None:
+    """The function a step is given as `name` (loss_fn, update_fn, sample_fn): bound with
+    functools.partial, else the step's own default for it; None when it has neither."""
+    if isinstance(step_fn, partial) and name in step_fn.keywords:
+        return step_fn.keywords[name]
+    fn = step_fn.func if isinstance(step_fn, partial) else step_fn
+    try:
+        parameter = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
+
+
+def needs_reference(cfg: GRPOConfig, step_fn: Callable | None) -> bool:
+    """Whether a run of `step_fn` (None: the engine's step and loss) uses the frozen
+    reference: for the KL term or the naive ratio, or because the step or the loss is not
+    the engine's (the learner's compute the reference's log-probs whatever beta is)."""
+    if cfg.beta > 0 or cfg.ratio_against == "reference":
+        return True
+    if step_fn is None:
+        return False
+    if (step_fn.func if isinstance(step_fn, partial) else step_fn) is not grpo_step:
+        return True
+    return step_argument(step_fn, "loss_fn") not in (grpo_loss, naive.configured_loss)
+
+
 # ---- the parts of a step ---------------------------------------------------------------------
 def autocast(run: Run):
     """Mixed precision for the forwards, as cfg.amp says (fp32 master weights)."""
@@ -203,8 +233,8 @@ def make_batch(run: Run, problems: list[Problem], sample_fn: Callable | None = N
     if cfg.advantage_clamp is not None:
         advantages = advantages.clamp(-cfg.advantage_clamp, cfg.advantage_clamp)
     m = rollout.completion_mask.bool()
-    ref_logp = None
-    if run.reference is not None and (cfg.beta > 0 or cfg.ratio_against == "reference"):
+    ref_logp = None  # the run has a reference when something uses it (needs_reference)
+    if run.reference is not None:
         with torch.no_grad(), autocast(run):
             forward = shared_prompt_logits if run.fast else completion_logits
             logits = forward(run.reference, rollout.input_ids, rollout.attention_mask,

@@ -51,6 +51,8 @@ from .step import (
     loss_for,
     make_batch,
     micro_batch_slices,
+    needs_reference,
+    step_argument,
 )
 from .tasks import MAX_OPERAND, ProblemStream, addition_reward, eval_problems, make_problem
 
@@ -107,7 +109,9 @@ class Trainer:
         optimizer = fused_adamw(policy.parameters(), device, lr=cfg.learning_rate,
                                 weight_decay=cfg.weight_decay)
         self.run = Run(
-            cfg=cfg, policy=policy, reference=frozen_copy(policy), optimizer=optimizer,
+            cfg=cfg, policy=policy, optimizer=optimizer,
+            # the starting policy, frozen, where something uses it
+            reference=frozen_copy(policy) if needs_reference(cfg, step_fn) else None,
             tokenizer=tokenizer, reward_fn=reward_fn, stream=ProblemStream(cfg.seed),
             eval_problems=eval_problems(cfg.eval_size), device=device, world=world,
             forward=forward, fast=fast,
@@ -142,9 +146,18 @@ class Trainer:
 
     def use(self, **functions: Callable) -> None:
         """Replace functions the step is given (loss_fn, update_fn, sample_fn), e.g. a
-        fault injected into the update, keeping the others."""
+        fault injected into the update, keeping the others. The loss is chosen once, here
+        or when the Trainer is built: a config changed later does not choose another."""
         fn = self.step_fn
+        if not isinstance(fn, partial):
+            raise TypeError("Trainer.use needs the step as functools.partial(step, loss_fn=..., "
+                            f"update_fn=...); this Trainer's step is {fn!r}")
         self.step_fn = partial(fn.func, *fn.args, **{**fn.keywords, **functions})
+        if self.run.reference is None and needs_reference(self.cfg, self.step_fn):
+            if self.step_count:
+                raise ValueError("this loss needs the frozen reference, which is the starting "
+                                 "policy: give it to the Trainer before training, not after")
+            self.run.reference = frozen_copy(self.policy)
 
     @property
     def model(self):
@@ -239,13 +252,12 @@ class Trainer:
 
     @property
     def loss_fn(self) -> Callable:
-        kw = self.step_fn.keywords if isinstance(self.step_fn, partial) else {}
-        return kw.get("loss_fn", loss_for(self.cfg))
+        """The loss the step is given (or its default; the config's for the engine's)."""
+        return step_argument(self.step_fn, "loss_fn") or loss_for(self.cfg)
 
     @property
     def update_fn(self) -> Callable:
-        kw = self.step_fn.keywords if isinstance(self.step_fn, partial) else {}
-        return kw.get("update_fn", guarded_update)
+        return step_argument(self.step_fn, "update_fn") or guarded_update
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> dict:

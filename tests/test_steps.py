@@ -17,6 +17,7 @@ import torch
 from grpo_lab import preset
 from grpo_lab.course import step_checks, steps
 from grpo_lab.course.workbook import load_yours
+from grpo_lab.health import nonfinite_params
 from grpo_lab.trainer import Trainer, read_metrics, without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +92,32 @@ def test_the_learners_loss_trains_in_the_engines_step():
         params[name] = _params(trainer.policy)
         assert 0 < history[-1]["kl"] < 1, (name, history[-1])
     assert torch.equal(params["engine"], params["learner"])
+
+
+def test_a_reference_is_built_where_something_uses_it():
+    """The engine's loss at beta 0 uses no reference, so none is built (nor checkpointed); a
+    learner's loss in the engine's step, and the learner's runs, compute k3 whatever beta
+    is, so theirs is built and the step trains."""
+    from grpo_lab import step as engine
+
+    cfg = preset("stable", beta=0.0, steps=1, eval_every=0, eval_size=8, prompts_per_step=2,
+                 group_size=4)
+    assert Trainer(cfg).reference is None
+    mine = Trainer(cfg, step_fn=partial(engine.grpo_step, loss_fn=steps.grpo_loss))
+    assert mine.reference is not None
+    assert mine.train(progress=False)[-1]["step"] == 1
+    assert steps.new_run(cfg).reference is not None
+
+
+def test_a_fault_in_a_learners_step_runs_the_steps_own_update():
+    """with_fault keeps the update the step would run: the learner's grpo_step without
+    update_fn runs its default, apply_update, which steps on a NaN gradient (no guard)."""
+    cfg = preset("stable", steps=1, eval_every=0, eval_size=8, prompts_per_step=2, group_size=4)
+    run = steps.new_run(cfg)
+    step = steps.with_fault(run, partial(steps.grpo_step, loss_fn=steps.grpo_loss), "nan-grads",
+                            at=1)
+    metrics = step(run, run.stream.sample(cfg.prompts_per_step))
+    assert metrics["skipped"] == 0 and nonfinite_params(run.policy) > 0
 
 
 def test_the_fast_trainer_differs_only_by_rounding():

@@ -38,6 +38,7 @@ import torch
 from .. import naive
 from ..config import GRPOConfig
 from ..field.faults import LEARNER_FAULTS, with_fault  # noqa: F401  the notebooks' import
+from ..models import frozen_copy
 from ..objective import (
     clipped_surrogate,
     completion_logprobs,
@@ -63,7 +64,10 @@ def new_run(cfg: GRPOConfig, reward_fn: Callable = addition_reward, model=None,
     The models' GELU is torch's one-kernel version (`fast.fuse_gelu`), as in `Trainer(cfg)`:
     the same function to float rounding, and your step runs ~13% faster. `fast=False` keeps
     GPT-2's five-op `gelu_new`, for comparing with `Trainer(cfg, fast=False)` bit for bit."""
-    return Trainer(cfg, model, tokenizer, reward_fn, fast=fast).run
+    run = Trainer(cfg, model, tokenizer, reward_fn, fast=fast).run
+    if run.reference is None:  # the learner's step always computes the reference's log-probs
+        run.reference = frozen_copy(run.policy)
+    return run
 
 
 # --- sampling, written out (notebook 01) ----------------------------------------------------

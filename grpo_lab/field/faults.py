@@ -23,7 +23,7 @@ from ..config import CHECKPOINT, ConfigError, preset
 from ..health import nonfinite_params
 from ..memo import once_per_session
 from ..sampling import SamplingError
-from ..step import Run, guarded_update
+from ..step import Run, step_argument
 from ..tasks import RewardError, addition_reward
 from ..trainer import Trainer
 from .scenarios import run_scenario
@@ -82,7 +82,11 @@ def with_fault(run: Run, step_fn: Callable, fault: str, at: int = INJECT_AT) -> 
         raise ValueError("pass the step as partial(step, loss_fn=..., update_fn=...)")
     due = lambda: run.step_count == at - 1  # noqa: E731 - step_count counts finished steps
     loss_fn = step_fn.keywords["loss_fn"]
-    update_fn = step_fn.keywords.get("update_fn", guarded_update)
+    # the update the step runs: the one it is given, else its own default (the learner's
+    # grpo_step: apply_update; the engine's: guarded_update)
+    update_fn = step_argument(step_fn, "update_fn")
+    if update_fn is None:
+        raise ValueError("pass the step as partial(step, loss_fn=..., update_fn=...)")
     kw = dict(step_fn.keywords)
     first = lambda: next(run.policy.parameters())  # noqa: E731
     if fault == "nan-grads":
