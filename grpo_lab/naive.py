@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .objective import clipped_surrogate, kl_k3, masked_mean, ratio_from_logprobs
+from .objective import clipped_surrogate, ratio_from_logprobs, weighted_loss
 
 
 def uses_reported_loss(cfg) -> bool:
@@ -34,16 +34,8 @@ def configured_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
     surrogate = clipped_surrogate if cfg.clip_term == "clipped_ratio" else constant_clip_surrogate
     per_token, region_clipped = surrogate(ratio_logp, base, advantages, cfg.epsilon_low,
                                           cfg.epsilon_high, cfg.log_ratio_clamp)
-    kl = torch.zeros_like(logp)
-    if cfg.beta > 0:
-        kl = kl_k3(logp, ref_logp)
-        per_token = per_token + cfg.beta * kl
-    loss = (per_token * weights).sum()
-    return loss, {
-        "kl": masked_mean(kl.detach(), m),
-        "clip_ratio/region_mean": masked_mean(region_clipped.float(), m),
-        "log_ratio/max_abs": (ratio_logp.detach() - base).abs().masked_fill(~m, 0).max(),
-    }
+    return weighted_loss(per_token, region_clipped, ratio_logp.detach() - base, logp, ref_logp,
+                         weights, cfg.beta)
 
 
 def constant_clip_surrogate(

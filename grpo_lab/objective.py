@@ -224,3 +224,23 @@ def sequence_mean_nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.T
     """Supervised next-token loss over masked positions (used by the warm start)."""
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
     return masked_mean(loss.view_as(targets), mask)
+
+
+def weighted_loss(per_token: torch.Tensor, region_clipped: torch.Tensor,
+                  log_ratio: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor | None,
+                  weights: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict]:
+    """A surrogate's (b, C) per-token loss, plus beta * k3 when beta > 0, weighted by the
+    token weights and summed; and the stats the step logs, token means over weights != 0:
+    'kl', 'clip_ratio/region_mean', and 'log_ratio/max_abs' (the largest |log_ratio|, the
+    (b, C) log-ratio the surrogate used, detached)."""
+    m = weights != 0
+    kl = torch.zeros_like(logp)
+    if beta > 0:
+        kl = kl_k3(logp, ref_logp)  # (b, C)
+        per_token = per_token + beta * kl
+    loss = (per_token * weights).sum()
+    return loss, {
+        "kl": masked_mean(kl.detach(), m),
+        "clip_ratio/region_mean": masked_mean(region_clipped.float(), m),
+        "log_ratio/max_abs": log_ratio.abs().masked_fill(~m, 0).max(),
+    }

@@ -44,10 +44,9 @@ from .objective import (
     completion_logits,
     entropy_from_logits,
     group_advantages,
-    kl_k3,
-    masked_mean,
     token_logprobs,
     token_weights,
+    weighted_loss,
 )
 from .sampling import Rollout, sample_group
 from .tasks import Problem, ProblemStream, addition_reward, checked_rewards
@@ -138,19 +137,10 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
         L   = sum_t w_t * (-min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * k3_t)
 
     stats: 'kl' (k3), 'clip_ratio/region_mean', 'log_ratio/max_abs' (|log r| over tokens)."""
-    m = weights != 0
     per_token, region_clipped = clipped_surrogate(
         logp, old_logp, advantages, cfg.epsilon_low, cfg.epsilon_high, cfg.log_ratio_clamp)
-    kl = torch.zeros_like(logp)
-    if cfg.beta > 0:
-        kl = kl_k3(logp, ref_logp)  # (b, C)
-        per_token = per_token + cfg.beta * kl
-    loss = (per_token * weights).sum()
-    return loss, {
-        "kl": masked_mean(kl.detach(), m),
-        "clip_ratio/region_mean": masked_mean(region_clipped.float(), m),
-        "log_ratio/max_abs": (logp.detach() - old_logp).abs().masked_fill(~m, 0).max(),
-    }
+    return weighted_loss(per_token, region_clipped, logp.detach() - old_logp, logp, ref_logp,
+                         weights, cfg.beta)
 
 
 def loss_for(cfg: GRPOConfig) -> LossFn:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from .. import naive
+from .. import naive, objective
 from .. import step as step_module
 from ..config import METRICS, GRPOConfig
 from ..policy import load_policy
@@ -96,7 +96,8 @@ def _inject(trainer: Trainer, cause: str, stack: contextlib.ExitStack) -> None:
         t.cfg = t.cfg.replace(clip_term="constant")
         t.use(loss_fn=loss_for(t.cfg))
     elif cause == "clamped-kl":
-        stack.enter_context(mock.patch.object(step_module, "kl_k3", naive.report003_kl))
+        # the KL term of the step's loss (objective.weighted_loss) is report 003's formula
+        stack.enter_context(mock.patch.object(objective, "kl_k3", naive.report003_kl))
     elif cause == "zero-grad-inside":
         loss_of = t.loss_fn
 
