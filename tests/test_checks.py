@@ -8,7 +8,22 @@ import pytest
 import torch
 
 from grpo_lab import naive, objective
-from grpo_lab.course import checks
+from grpo_lab.course import steps
+from grpo_lab.course.exercises import (
+    nb00,
+    nb01,
+    nb02,
+    nb03,
+    nb04,
+    nb05,
+    nb06,
+    nb07,
+    nb08,
+    nb09,
+    nb10,
+    nb11,
+    nb12,
+)
 from grpo_lab.models import count_parameters
 from grpo_lab.sampling import completion_mask_from_ids
 from grpo_lab.tasks import addition_reward
@@ -17,21 +32,21 @@ from grpo_lab.trainer import micro_batch_slices
 pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
 
 REFERENCES = {
-    checks.check_count_parameters: count_parameters,
-    checks.check_position_ids_from_mask: objective.position_ids_from_mask,
-    checks.check_token_logprobs: objective.token_logprobs,
-    checks.check_group_advantages: objective.group_advantages,
-    checks.check_kl_k3: objective.kl_k3,
-    checks.check_clipped_surrogate: objective.clipped_surrogate,
-    checks.check_token_weights: objective.token_weights,
-    checks.check_addition_reward: addition_reward,
-    checks.check_first_nonfinite_step: checks.reference_first_nonfinite_step,
-    checks.check_nonfinite_params: __import__("grpo_lab.health").health.nonfinite_params,
-    checks.check_micro_batch_slices: micro_batch_slices,
-    checks.check_exact_kl: objective.exact_kl,
-    checks.check_kl_k2: objective.kl_k2,
-    checks.check_sanitize_logits: checks.reference_sanitize_logits,
-    checks.check_completion_mask_from_ids: completion_mask_from_ids,
+    nb00.check_count_parameters: count_parameters,
+    nb01.check_position_ids_from_mask: objective.position_ids_from_mask,
+    nb01.check_token_logprobs: objective.token_logprobs,
+    nb02.check_group_advantages: objective.group_advantages,
+    nb03.check_kl_k3: objective.kl_k3,
+    nb03.check_clipped_surrogate: objective.clipped_surrogate,
+    nb03.check_token_weights: objective.token_weights,
+    nb04.check_addition_reward: addition_reward,
+    nb05.check_first_nonfinite_step: nb05.reference_first_nonfinite_step,
+    nb07.check_nonfinite_params: __import__("grpo_lab.health").health.nonfinite_params,
+    nb08.check_micro_batch_slices: micro_batch_slices,
+    nb09.check_exact_kl: objective.exact_kl,
+    nb09.check_kl_k2: objective.kl_k2,
+    nb10.check_sanitize_logits: steps.sanitize_logits,
+    nb10.check_completion_mask_from_ids: completion_mask_from_ids,
 }
 
 
@@ -108,23 +123,23 @@ def _region_with_bounds(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2,
 
 
 BUGS = [
-    (checks.check_group_advantages, _no_eps, "NaN when every reward in a group is equal"),
-    (checks.check_group_advantages, _batch_mean, "group's own mean"),
-    (checks.check_clipped_surrogate, naive.constant_clip_surrogate, "clip_ratio * advantage"),
-    (checks.check_clipped_surrogate, _region_with_bounds, "use < and >, not <= and >="),
-    (checks.check_kl_k3, _kl_wrong_sign, "wrong sign"),
-    (checks.check_kl_k3, naive.report003_kl, "report 003"),
-    (checks.check_token_logprobs, _raw_logits, "log_softmax"),
-    (checks.check_position_ids_from_mask, _cumsum_positions, "position 0"),
-    (checks.check_token_weights, _per_micro_batch_bnpo, "weights"),
-    (checks.check_addition_reward, _no_strip, "spaces"),
-    (checks.check_first_nonfinite_step, _first_spike, "spike"),
-    (checks.check_nonfinite_params, _nan_only, "inf"),
-    (checks.check_micro_batch_slices, _floor_chunks, "once each"),
-    (checks.check_exact_kl, _reverse_kl, "KL(q || p)"),
-    (checks.check_kl_k2, _k2_no_half, "twice k2"),
-    (checks.check_sanitize_logits, _nan_to_zero, "NaN"),
-    (checks.check_completion_mask_from_ids, _mask_without_eos, "drops the first EOS"),
+    (nb02.check_group_advantages, _no_eps, "NaN when every reward in a group is equal"),
+    (nb02.check_group_advantages, _batch_mean, "group's own mean"),
+    (nb03.check_clipped_surrogate, naive.constant_clip_surrogate, "clip_ratio * advantage"),
+    (nb03.check_clipped_surrogate, _region_with_bounds, "use < and >, not <= and >="),
+    (nb03.check_kl_k3, _kl_wrong_sign, "wrong sign"),
+    (nb03.check_kl_k3, naive.report003_kl, "report 003"),
+    (nb01.check_token_logprobs, _raw_logits, "log_softmax"),
+    (nb01.check_position_ids_from_mask, _cumsum_positions, "position 0"),
+    (nb03.check_token_weights, _per_micro_batch_bnpo, "weights"),
+    (nb04.check_addition_reward, _no_strip, "spaces"),
+    (nb05.check_first_nonfinite_step, _first_spike, "spike"),
+    (nb07.check_nonfinite_params, _nan_only, "inf"),
+    (nb08.check_micro_batch_slices, _floor_chunks, "once each"),
+    (nb09.check_exact_kl, _reverse_kl, "KL(q || p)"),
+    (nb09.check_kl_k2, _k2_no_half, "twice k2"),
+    (nb10.check_sanitize_logits, _nan_to_zero, "NaN"),
+    (nb10.check_completion_mask_from_ids, _mask_without_eos, "drops the first EOS"),
 ]
 
 
@@ -132,12 +147,12 @@ def test_a_crashing_exercise_fails_with_the_exception_named():
     def crashes(rewards, group_size, **kw):
         return rewards.view(group_size, -1, 3)
 
-    result = checks.check_group_advantages(crashes)
+    result = nb02.check_group_advantages(crashes)
     assert result.status == "failed" and "raised RuntimeError" in result.reason
 
 
 def test_wrong_shape_is_named():
-    result = checks.check_kl_k3(lambda logp, ref_logp: (logp - ref_logp).sum())
+    result = nb03.check_kl_k3(lambda logp, ref_logp: (logp - ref_logp).sum())
     assert result.status == "failed" and "shape" in result.reason
 
 
@@ -163,7 +178,7 @@ def _clip_values(grads, max_norm):  # clip_grad_value_
 
 
 def _norm_after_clipping(grads, max_norm):
-    clipped, _ = checks.reference_clip_grad_norm(grads, max_norm)
+    clipped, _ = steps.clip_grad_norm(grads, max_norm)
     return clipped, _global_norm(clipped)
 
 
@@ -194,28 +209,28 @@ def _no_minimum_history(grad_norm, recent, factor):
 
 
 REFERENCES.update({
-    checks.check_clip_grad_norm: checks.reference_clip_grad_norm,
-    checks.check_should_skip: checks.reference_should_skip,
+    nb06.check_clip_grad_norm: steps.clip_grad_norm,
+    nb06.check_should_skip: steps.should_skip,
 })
 BUGS += [
-    (checks.check_clip_grad_norm, _clip_each_tensor, "each tensor to max_norm on its own"),
-    (checks.check_clip_grad_norm, _clip_values, "clip_grad_value_"),
-    (checks.check_clip_grad_norm, _norm_after_clipping, "norm after clipping"),
-    (checks.check_clip_grad_norm, _always_rescale, "must come back unchanged"),
-    (checks.check_should_skip, _report_000_rule, "math.isfinite"),
-    (checks.check_should_skip, _spike_rule_without_nan_check, "NaN > x is False"),
-    (checks.check_should_skip, _absolute_rule_with_nan_check, "model's scale"),
-    (checks.check_should_skip, _mean_not_median, "use the median"),
-    (checks.check_should_skip, _no_minimum_history, "no baseline"),
+    (nb06.check_clip_grad_norm, _clip_each_tensor, "each tensor to max_norm on its own"),
+    (nb06.check_clip_grad_norm, _clip_values, "clip_grad_value_"),
+    (nb06.check_clip_grad_norm, _norm_after_clipping, "norm after clipping"),
+    (nb06.check_clip_grad_norm, _always_rescale, "must come back unchanged"),
+    (nb06.check_should_skip, _report_000_rule, "math.isfinite"),
+    (nb06.check_should_skip, _spike_rule_without_nan_check, "NaN > x is False"),
+    (nb06.check_should_skip, _absolute_rule_with_nan_check, "model's scale"),
+    (nb06.check_should_skip, _mean_not_median, "use the median"),
+    (nb06.check_should_skip, _no_minimum_history, "no baseline"),
 ]
 
 
 def test_clip_reference_is_torchs_clip_grad_norm():
     """The checker's reference scales like torch.nn.utils.clip_grad_norm_ (which the trainer
     calls), a NaN gradient included: clipping spreads the NaN to every tensor."""
-    assert checks.check_clip_grad_norm(_torch_clip).passed
+    assert nb06.check_clip_grad_norm(_torch_clip).passed
     grads = [torch.tensor([3.0, float("nan")]), torch.tensor([1.0, 2.0])]
-    ours, our_norm = checks.reference_clip_grad_norm(grads, 1.0)
+    ours, our_norm = steps.clip_grad_norm(grads, 1.0)
     theirs, their_norm = _torch_clip(grads, 1.0)
     assert math.isnan(our_norm) and math.isnan(float(their_norm))
     assert all(torch.isnan(g).all() for g in ours + theirs)
@@ -241,7 +256,7 @@ def test_skip_reference_agrees_with_the_trainer():
                 if p.grad is not None:
                     p.grad.mul_(1e4)
         skipped = trainer._update()
-        decisions.append((bool(skipped), checks.reference_should_skip(
+        decisions.append((bool(skipped), steps.should_skip(
             trainer.last_grad_norm, recent, trainer.cfg.spike_skip_factor)))
         trainer.step_count += 1
     assert [ours for ours, _ in decisions] == [s == 7 for s in range(1, 9)], decisions
@@ -271,12 +286,12 @@ def _first_divisor(rows, per_row, budget):  # only splits into equal micro-batch
     return next(k for k in range(1, rows + 1) if rows % k == 0 and rows // k * per_row <= budget)
 
 
-REFERENCES[checks.check_accumulation_for_budget] = checks.reference_accumulation_for_budget
+REFERENCES[nb11.check_accumulation_for_budget] = nb11.reference_accumulation_for_budget
 BUGS += [
-    (checks.check_accumulation_for_budget, _floor_division, "rows that do not divide evenly"),
-    (checks.check_accumulation_for_budget, _strict, "an exact fit at the boundary"),
-    (checks.check_accumulation_for_budget, _never_refuses, "one row too big"),
-    (checks.check_accumulation_for_budget, _first_divisor, "the smallest k, not the first divisor"),
+    (nb11.check_accumulation_for_budget, _floor_division, "rows that do not divide evenly"),
+    (nb11.check_accumulation_for_budget, _strict, "an exact fit at the boundary"),
+    (nb11.check_accumulation_for_budget, _never_refuses, "one row too big"),
+    (nb11.check_accumulation_for_budget, _first_divisor, "the smallest k, not the first divisor"),
 ]
 
 
@@ -285,7 +300,7 @@ def test_accumulation_for_budget_reference_matches_the_trainers_micro_batches():
     reference assumes."""
     from grpo_lab.trainer import micro_batch_slices
 
-    assert checks.check_accumulation_for_budget(checks.reference_accumulation_for_budget).passed
+    assert nb11.check_accumulation_for_budget(nb11.reference_accumulation_for_budget).passed
     for rows in (7, 10, 64, 100):
         for k in range(1, rows + 1):
             biggest = max(s.stop - s.start for s in micro_batch_slices(rows, k))
@@ -311,11 +326,11 @@ def _prompts_not_rows(prompts, group_size, rank, world_size):  # prompt indices,
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-REFERENCES[checks.check_shard_rows] = checks.reference_shard_rows
+REFERENCES[nb12.check_shard_rows] = nb12.reference_shard_rows
 BUGS += [
-    (checks.check_shard_rows, _strided, "two ranks, contiguous groups"),
-    (checks.check_shard_rows, _rows_split, "prompts that do not divide evenly"),
-    (checks.check_shard_rows, _prompts_not_rows, "one process gets every row"),
+    (nb12.check_shard_rows, _strided, "two ranks, contiguous groups"),
+    (nb12.check_shard_rows, _rows_split, "prompts that do not divide evenly"),
+    (nb12.check_shard_rows, _prompts_not_rows, "one process gets every row"),
 ]
 
 
@@ -324,12 +339,12 @@ def test_shard_rows_reference_is_the_trainers_sharding():
     rank's rows are exactly the reference's."""
     from grpo_lab.distributed import World, shard
 
-    assert checks.check_shard_rows(checks.reference_shard_rows).passed
+    assert nb12.check_shard_rows(nb12.reference_shard_rows).passed
     for prompts, group, world in ((8, 8, 2), (12, 4, 3), (4, 2, 4)):
         covered = []
         for rank in range(world):
             mine = shard(prompts, World(rank=rank, world_size=world))
-            rows = checks.reference_shard_rows(prompts, group, rank, world)
+            rows = nb12.reference_shard_rows(prompts, group, rank, world)
             assert list(rows) == [p * group + g for p in range(mine.start, mine.stop)
                                   for g in range(group)]
             covered += list(rows)

@@ -28,9 +28,9 @@ STUB = '''def group_advantages(rewards, group_size, advantage_eps=1e-4, scale_re
     raise NotImplementedError("write this")'''
 GOOD_KL = "def kl_k3(logp, ref_logp):\n    # Idea: k1 plus a zero-mean term\n    # Hint: r.exp() - r - 1\n" \
     "    r = ref_logp - logp\n    return r.exp() - r - 1"
-CHECK_ADV = "from grpo_lab.course.checks import check_group_advantages\n" \
+CHECK_ADV = "from grpo_lab.course.exercises.nb02 import check_group_advantages\n" \
     "r1 = check_group_advantages(group_advantages)"
-CHECK_KL = "from grpo_lab.course.checks import check_kl_k3\nr2 = check_kl_k3(kl_k3)"
+CHECK_KL = "from grpo_lab.course.exercises.nb03 import check_kl_k3\nr2 = check_kl_k3(kl_k3)"
 FAST = dict(cell_timeout=20, submission_timeout=120, memory_mb=3072)
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from grpo_lab import preset
-from grpo_lab.course import hardening, hardening_checks, labs, step_checks, steps
+from grpo_lab.course import exercises, hardening, labs, steps
+from grpo_lab.course.exercises import fixtures, nb07, nb08
 from grpo_lab.field.faults import FAULTS, INJECT_AT
 from grpo_lab.health import Snapshot, nonfinite_params
 from grpo_lab.numerics import sum_error_bound
@@ -80,7 +81,7 @@ def _gradient_run(step, seed: int, double: bool = False, rollout=None, **overrid
     ('rollout'), and the sum of the norms of what each backward() added to .grad ('parts').
     double=True: the policy and reference in float64, on `rollout` (the float32 run's
     batch: sampling in float64 could draw other tokens)."""
-    run = step_checks.fixture_run(seed, **overrides)
+    run = fixtures.fixture_run(seed, **overrides)
     if double:
         run.policy.double()
         run.reference.double()
@@ -117,7 +118,7 @@ def _gradient_run(step, seed: int, double: bool = False, rollout=None, **overrid
 
 
 def _tokens_per_micro_batch(seed: int, k: int) -> list[int]:
-    run = step_checks.fixture_run(seed)
+    run = fixtures.fixture_run(seed)
     torch.manual_seed(seed)
     problems = ProblemStream(seed).sample(run.cfg.prompts_per_step)
     r = sample_group(run.policy, run.tokenizer, [p.prompt for p in problems],
@@ -132,8 +133,8 @@ def test_accumulated_gradient_is_the_full_batch_gradient(loss_type):
     and of equal rows but unequal tokens (k = 4): the accumulated gradient is the full-batch
     one to float rounding; `loss / k` is exact exactly where its assumption holds, equal rows
     for the per-row loss types (grpo, dr_grpo), equal tokens for the per-token ones."""
-    loss_over_k = hardening_checks.MISTAKES["accumulated_grpo_step"][1](
-        "per_micro_batch_normalisation")
+    loss_over_k = exercises.find("accumulated_grpo_step").mistake(
+        "per_micro_batch_normalisation").wrong
     run = _gradient_run(steps.grpo_step, 0, loss_type=loss_type)
     full = run["grad"]
     # against the float64 gradient of the same batch (the argument of test_trainer's
@@ -167,39 +168,11 @@ def test_accumulated_gradient_is_the_full_batch_gradient(loss_type):
 
 
 # --- the checkers ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("exercise", sorted(hardening_checks.CHECKERS))
-def test_references_pass_their_checks(exercise):
-    result = hardening_checks.CHECKERS[exercise](getattr(hardening, exercise))
-    assert result.passed, result.reason
-
-
-def _stub(*args, **kwargs):
-    raise NotImplementedError
-
-
-@pytest.mark.parametrize("exercise", sorted(hardening_checks.CHECKERS))
-def test_not_implemented_is_said(exercise):
-    assert hardening_checks.CHECKERS[exercise](_stub).status == "not implemented"
-
-
-MISTAKE_CASES = [(exercise, mistake)
-                 for exercise, (catalog, _) in hardening_checks.MISTAKES.items()
-                 for mistake in catalog]
-
-
-@pytest.mark.parametrize(("exercise", "mistake"), MISTAKE_CASES)
-def test_each_known_mistake_is_caught_and_named(exercise, mistake):
-    catalog, make = hardening_checks.MISTAKES[exercise]
-    result = hardening_checks.CHECKERS[exercise](make(mistake))
-    assert result.status == "failed"
-    assert catalog[mistake] in result.reason, result.reason
-
-
 @pytest.mark.numerics
 def test_a_whole_batch_forward_is_not_accumulation():
     """grpo_step computes the right update in one forward of all rows: exact, but not
     accumulation (it holds every row's activations at once)."""
-    result = hardening_checks.check_accumulated_grpo_step(steps.grpo_step)
+    result = nb08.check_accumulated_grpo_step(steps.grpo_step)
     assert result.status == "failed" and "on [16] rows at once" in result.reason, result.reason
 
 
@@ -211,7 +184,7 @@ def test_metrics_of_an_accumulated_step_are_the_whole_batchs():
             return value, {**stats, "kl": 0.5}
         return hardening.accumulated_grpo_step(run, problems, loss, update_fn)
 
-    result = hardening_checks.check_accumulated_grpo_step(last_kl)
+    result = nb08.check_accumulated_grpo_step(last_kl)
     assert result.status == "failed" and "metrics['kl']" in result.reason, result.reason
 
 
@@ -223,7 +196,7 @@ def test_an_accumulated_step_that_does_not_count_itself_is_named():
         run.step_count -= 1
         return metrics
 
-    result = hardening_checks.check_accumulated_grpo_step(forgetful)
+    result = nb08.check_accumulated_grpo_step(forgetful)
     assert result.status == "failed" and "left run.step_count at 0" in result.reason, \
         result.reason
 
@@ -232,7 +205,7 @@ def test_an_update_without_update_fn_is_told_how_it_is_called():
     def healthy_update(run):
         return hardening.healthy_update(run)
 
-    result = hardening_checks.check_healthy_update(healthy_update)
+    result = nb07.check_healthy_update(healthy_update)
     assert result.status == "failed" and "healthy_update(run, update_fn=...)" in result.reason
 
 
@@ -241,7 +214,7 @@ def test_a_check_that_forgets_to_say_it_rolled_back_is_told():
         hardening.health_check(run)
         return 0
 
-    result = hardening_checks.check_health_check(health_check)
+    result = nb07.check_health_check(health_check)
     assert result.status == "failed" and "return 1 for the step you rolled back" in result.reason
 
 
@@ -252,19 +225,12 @@ def test_a_rollback_flag_set_only_when_rolling_back_is_told():
             run.rolled_back = 1
         return out
 
-    result = hardening_checks.check_healthy_update(healthy_update)
+    result = nb07.check_healthy_update(healthy_update)
     assert result.status == "failed" and "set it on every call" in result.reason, result.reason
 
 
 # --- the notebooks' exercises, through the grader -------------------------------------------------
-@pytest.fixture
-def with_hardening_checks(monkeypatch):
-    """labs.CHECKER_MODULES with this module's checkers (until labs.py lists it)."""
-    if hardening_checks not in labs.CHECKER_MODULES:
-        monkeypatch.setattr(labs, "CHECKER_MODULES", (*labs.CHECKER_MODULES, hardening_checks))
-
-
-def test_the_manifest_describes_the_new_exercises(with_hardening_checks):
+def test_the_manifest_describes_the_new_exercises():
     data = labs.manifest([NB07, NB08])["notebooks"]
     ex = {e["function"]: e for nb in data.values() for e in nb["exercises"]}
     assert [e["function"] for e in data[NB07.name]["exercises"]] == [
@@ -291,8 +257,7 @@ def test_the_manifest_describes_the_new_exercises(with_hardening_checks):
                 assert "### BEGIN SOLUTION" not in cell.source
 
 
-def test_the_grader_checks_health_and_accumulation_in_its_sandbox(tmp_path,
-                                                                   with_hardening_checks):
+def test_the_grader_checks_health_and_accumulation_in_its_sandbox(tmp_path):
     from grpo_lab.course import grade
 
     manifest = labs.manifest([NB07, NB08])
@@ -323,15 +288,15 @@ def test_the_grader_checks_health_and_accumulation_in_its_sandbox(tmp_path,
     by = {r["exercise"]: r for r in json.loads(out.read_text())}
     for ok in ("nonfinite_params", "healthy_update", "micro_batch_slices"):
         assert by[ok]["points"] == by[ok]["max_points"] == 1, by[ok]
-    catalog = hardening_checks.MISTAKES
     assert by["health_check"]["points"] == 0
-    assert catalog["health_check"][0]["model_only"] in by["health_check"]["reason"]
+    assert exercises.find("health_check").mistake("model_only").message in \
+        by["health_check"]["reason"]
     assert by["accumulated_grpo_step"]["points"] == 0
-    assert catalog["accumulated_grpo_step"][0]["per_micro_batch_normalisation"] in \
-        by["accumulated_grpo_step"]["reason"]
+    assert exercises.find("accumulated_grpo_step").mistake(
+        "per_micro_batch_normalisation").message in by["accumulated_grpo_step"]["reason"]
 
 
-def test_the_solutions_pass_the_grader(tmp_path, with_hardening_checks):
+def test_the_solutions_pass_the_grader(tmp_path):
     """The solution cells of 07 and 08, as a student would hand them in, score full points
     (the cells run alone in the sandbox, with the earlier exercises bound to references)."""
     from grpo_lab.course import grade

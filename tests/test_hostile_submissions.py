@@ -54,8 +54,8 @@ CASES = [
      "    return getattr(torch, 'ex' + 'p')(ref_logp - logp) - (ref_logp - logp) - 1\n",
      "flagged", "computed name"),
     ("cheat", "patches the checker module", "clipped_surrogate",
-     "import grpo_lab.course.checks as c\nc.check_clipped_surrogate = lambda f: None\n"
-     + SIG_CS + "    raise NotImplementedError\n", "flagged", "grpo_lab.course.checks"),
+     "import grpo_lab.course.exercises.nb03 as c\nc.check_clipped_surrogate = lambda f: None\n"
+     + SIG_CS + "    raise NotImplementedError\n", "flagged", "grpo_lab.course.exercises.nb03"),
     ("cheat", "eval of a string", "token_weights",
      "def token_weights(*a):\n    return eval('1')\n", "flagged", "`eval`"),
     ("cheat", "writes a fake verdict into the grader's journal", "kl_k3",

@@ -114,7 +114,7 @@ def test_an_exercise_without_an_idea_is_refused_by_name(tmp_path):
               "    r = ref_logp - logp\n    return r.exp() - r - 1\n    ### END SOLUTION")
     path = tmp_path / "x.ipynb"
     nbformat.write(new_notebook(cells=[new_code_cell(source), new_code_cell(
-        "from grpo_lab.course.checks import check_kl_k3\ncheck_kl_k3(kl_k3)")]), path)
+        "from grpo_lab.course.exercises.nb03 import check_kl_k3\ncheck_kl_k3(kl_k3)")]), path)
     with pytest.raises(ValueError, match=r"kl_k3\(\) has no `# Idea: \.\.\.` comment"):
         labs.manifest([path])
 

@@ -1,6 +1,6 @@
-"""Stretch exercises (grpo_lab.course.stretch): each reference passes its checker, a stub is
-'not implemented' and falls back to the reference, each named mistake fails with a message
-naming it; and the three facts notebook 09 measures about the KL estimators' gradients."""
+"""Stretch exercises (tier stretch, in grpo_lab/course/exercises): each reference passes its
+checker, a stub is 'not implemented' and falls back to the reference, each named mistake
+fails with a message naming it; and the three facts notebook 09 measures about the KL estimators' gradients."""
 
 import math
 
@@ -8,11 +8,15 @@ import pytest
 import torch
 
 from grpo_lab import naive, objective
-from grpo_lab.course import stretch as S
+from grpo_lab.course import exercises
+from grpo_lab.course.exercises import nb02, nb03, nb09
 
 pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
 
-REFERENCES = {check: ref for check, ref in S.STRETCH_CHECKS.values()}
+STRETCH = ("rloo_advantages", "zero_std_group_filter", "dual_clip_surrogate",
+           "clip_higher_fractions", "sequence_level_ratio", "estimator_expected_gradient",
+           "kl_gradients", "adaptive_beta")
+REFERENCES = {e.check: e.reference for e in (exercises.find(name) for name in STRETCH)}
 
 
 # --- the learner's mistakes, written out ----------------------------------------------------
@@ -37,7 +41,7 @@ def _filter_by_std(rewards, group_size):
 
 
 def _filter_inverted(rewards, group_size):
-    return ~S.reference_zero_std_group_filter(rewards, group_size)
+    return ~nb02.reference_zero_std_group_filter(rewards, group_size)
 
 
 def _filter_per_group(rewards, group_size):
@@ -46,7 +50,7 @@ def _filter_per_group(rewards, group_size):
 
 
 def _filter_long(rewards, group_size):
-    return S.reference_zero_std_group_filter(rewards, group_size).long()
+    return nb02.reference_zero_std_group_filter(rewards, group_size).long()
 
 
 def _filter_all_wrong_only(rewards, group_size):  # drops all-0 groups, keeps all-1 groups
@@ -56,7 +60,7 @@ def _filter_all_wrong_only(rewards, group_size):  # drops all-0 groups, keeps al
 def _filter_keeps_singletons(rewards, group_size):
     if group_size == 1:
         return torch.ones_like(rewards, dtype=torch.bool)
-    return S.reference_zero_std_group_filter(rewards, group_size)
+    return nb02.reference_zero_std_group_filter(rewards, group_size)
 
 
 def _dual_clip_everywhere(logp, old_logp, advantages, epsilon_low=0.2, epsilon_high=0.2,
@@ -78,11 +82,11 @@ def _dual_clip_min(logp, old_logp, advantages, epsilon_low=0.2, epsilon_high=0.2
 
 
 def _dual_clip_detached(*args, **kwargs):
-    return S.reference_dual_clip_surrogate(*args, **kwargs).detach()
+    return nb03.reference_dual_clip_surrogate(*args, **kwargs).detach()
 
 
 def _fractions_swapped(logp, old_logp, advantages, epsilon_low, epsilon_high):
-    low, high = S.reference_clip_higher_fractions(logp, old_logp, advantages, epsilon_low,
+    low, high = nb03.reference_clip_higher_fractions(logp, old_logp, advantages, epsilon_low,
                                                   epsilon_high)
     return high, low
 
@@ -93,11 +97,11 @@ def _fractions_no_sign(logp, old_logp, advantages, epsilon_low, epsilon_high):
 
 
 def _fractions_eps_low_only(logp, old_logp, advantages, epsilon_low, epsilon_high):
-    return S.reference_clip_higher_fractions(logp, old_logp, advantages, epsilon_low, epsilon_low)
+    return nb03.reference_clip_higher_fractions(logp, old_logp, advantages, epsilon_low, epsilon_low)
 
 
 def _fractions_counts(logp, old_logp, advantages, epsilon_low, epsilon_high):
-    low, high = S.reference_clip_higher_fractions(logp, old_logp, advantages, epsilon_low,
+    low, high = nb03.reference_clip_higher_fractions(logp, old_logp, advantages, epsilon_low,
                                                   epsilon_high)
     return low * logp.numel(), high * logp.numel()
 
@@ -148,7 +152,7 @@ def _grad_by_backward(estimator, logits, ref_logits):
 
 
 def _kl_grads_swapped(logits, ref_logits):
-    reverse, forward = S.reference_kl_gradients(logits, ref_logits)
+    reverse, forward = nb09.reference_kl_gradients(logits, ref_logits)
     return forward, reverse
 
 
@@ -166,7 +170,7 @@ def _beta_wrong_way(beta, kl, target_kl, horizon, n_steps=1):
 
 
 def _beta_no_n_steps(beta, kl, target_kl, horizon, n_steps=1):
-    return S.reference_adaptive_beta(beta, kl, target_kl, horizon, 1)
+    return nb09.reference_adaptive_beta(beta, kl, target_kl, horizon, 1)
 
 
 def _beta_additive(beta, kl, target_kl, horizon, n_steps=1):
@@ -174,40 +178,40 @@ def _beta_additive(beta, kl, target_kl, horizon, n_steps=1):
 
 
 MISTAKES = [
-    (S.check_rloo_advantages, _rloo_self_included, "included each sample in its own baseline"),
-    (S.check_rloo_advantages, objective.group_advantages, "divided by the group's std"),
-    (S.check_rloo_advantages, _rloo_divided_by_g, "G - 1 of them"),
-    (S.check_rloo_advantages, _rloo_strided_groups, "do not sum to 0 within each group"),
-    (S.check_zero_std_group_filter, _filter_by_std, "std() > 0"),
-    (S.check_zero_std_group_filter, _filter_inverted, "kept the groups whose rewards are all equal"),
-    (S.check_zero_std_group_filter, _filter_per_group, "one entry per group"),
-    (S.check_zero_std_group_filter, _filter_long, "bool mask"),
-    (S.check_zero_std_group_filter, _filter_all_wrong_only, "all 1"),
-    (S.check_zero_std_group_filter, _filter_keeps_singletons, "G=1 keeps nothing"),
-    (S.check_dual_clip_surrogate, _dual_clip_everywhere, "applied the dual clip to positive "
+    (nb02.check_rloo_advantages, _rloo_self_included, "included each sample in its own baseline"),
+    (nb02.check_rloo_advantages, objective.group_advantages, "divided by the group's std"),
+    (nb02.check_rloo_advantages, _rloo_divided_by_g, "G - 1 of them"),
+    (nb02.check_rloo_advantages, _rloo_strided_groups, "do not sum to 0 within each group"),
+    (nb02.check_zero_std_group_filter, _filter_by_std, "std() > 0"),
+    (nb02.check_zero_std_group_filter, _filter_inverted, "kept the groups whose rewards are all equal"),
+    (nb02.check_zero_std_group_filter, _filter_per_group, "one entry per group"),
+    (nb02.check_zero_std_group_filter, _filter_long, "bool mask"),
+    (nb02.check_zero_std_group_filter, _filter_all_wrong_only, "all 1"),
+    (nb02.check_zero_std_group_filter, _filter_keeps_singletons, "G=1 keeps nothing"),
+    (nb03.check_dual_clip_surrogate, _dual_clip_everywhere, "applied the dual clip to positive "
      "advantages too"),
-    (S.check_dual_clip_surrogate, _dual_clip_missing, "plain clipped surrogate"),
-    (S.check_dual_clip_surrogate, _dual_clip_min, "bound with max, not min"),
-    (S.check_dual_clip_surrogate, _dual_clip_detached, "carries no gradient"),
-    (S.check_clip_higher_fractions, _fractions_swapped, "(high, low)"),
-    (S.check_clip_higher_fractions, _fractions_no_sign, "advantage pushes it further"),
-    (S.check_clip_higher_fractions, _fractions_eps_low_only, "1 + epsilon_high"),
-    (S.check_clip_higher_fractions, _fractions_counts, "counts"),
-    (S.check_sequence_level_ratio, _ratio_summed, "summed instead of averaged"),
-    (S.check_sequence_level_ratio, _ratio_by_width, "width"),
-    (S.check_sequence_level_ratio, _ratio_unmasked, "padding counted"),
-    (S.check_sequence_level_ratio, _ratio_arithmetic, "geometric mean"),
-    (S.check_sequence_level_ratio, _ratio_nan_on_empty, "no completion tokens"),
-    (S.check_estimator_expected_gradient, _grad_through_weights, "differentiated the weights"),
-    (S.check_estimator_expected_gradient, _grad_uniform, "averaged over the vocabulary"),
-    (S.check_estimator_expected_gradient, _grad_raw_logits, "raw logits"),
-    (S.check_estimator_expected_gradient, _grad_by_backward, "logits.grad"),
-    (S.check_kl_gradients, _kl_grads_swapped, "swapped"),
-    (S.check_kl_gradients, _kl_grads_wrt_probs, "with respect to the probabilities"),
-    (S.check_adaptive_beta, _beta_unclipped, "unclipped error"),
-    (S.check_adaptive_beta, _beta_wrong_way, "wrong way"),
-    (S.check_adaptive_beta, _beta_no_n_steps, "n_steps is ignored"),
-    (S.check_adaptive_beta, _beta_additive, "multiplicative"),
+    (nb03.check_dual_clip_surrogate, _dual_clip_missing, "plain clipped surrogate"),
+    (nb03.check_dual_clip_surrogate, _dual_clip_min, "bound with max, not min"),
+    (nb03.check_dual_clip_surrogate, _dual_clip_detached, "carries no gradient"),
+    (nb03.check_clip_higher_fractions, _fractions_swapped, "(high, low)"),
+    (nb03.check_clip_higher_fractions, _fractions_no_sign, "advantage pushes it further"),
+    (nb03.check_clip_higher_fractions, _fractions_eps_low_only, "1 + epsilon_high"),
+    (nb03.check_clip_higher_fractions, _fractions_counts, "counts"),
+    (nb03.check_sequence_level_ratio, _ratio_summed, "summed instead of averaged"),
+    (nb03.check_sequence_level_ratio, _ratio_by_width, "width"),
+    (nb03.check_sequence_level_ratio, _ratio_unmasked, "padding counted"),
+    (nb03.check_sequence_level_ratio, _ratio_arithmetic, "geometric mean"),
+    (nb03.check_sequence_level_ratio, _ratio_nan_on_empty, "no completion tokens"),
+    (nb09.check_estimator_expected_gradient, _grad_through_weights, "differentiated the weights"),
+    (nb09.check_estimator_expected_gradient, _grad_uniform, "averaged over the vocabulary"),
+    (nb09.check_estimator_expected_gradient, _grad_raw_logits, "raw logits"),
+    (nb09.check_estimator_expected_gradient, _grad_by_backward, "logits.grad"),
+    (nb09.check_kl_gradients, _kl_grads_swapped, "swapped"),
+    (nb09.check_kl_gradients, _kl_grads_wrt_probs, "with respect to the probabilities"),
+    (nb09.check_adaptive_beta, _beta_unclipped, "unclipped error"),
+    (nb09.check_adaptive_beta, _beta_wrong_way, "wrong way"),
+    (nb09.check_adaptive_beta, _beta_no_n_steps, "n_steps is ignored"),
+    (nb09.check_adaptive_beta, _beta_additive, "multiplicative"),
 ]
 
 
@@ -254,7 +258,8 @@ def test_a_checker_never_raises_on_odd_return_values():
 def test_checkers_are_reachable_as_module_level_references():
     """labs.py records each exercise's reference as module.qualname for the grader."""
     for check, ref in REFERENCES.items():
-        assert ref.__module__ == "grpo_lab.course.stretch" and "<locals>" not in ref.__qualname__
+        assert ref.__module__.startswith("grpo_lab.course.exercises.nb")
+        assert "<locals>" not in ref.__qualname__
         assert check.__name__ == "check_" + ref.__name__.removeprefix("reference_")
 
 
@@ -270,9 +275,9 @@ def test_rloo_is_grpo_centring_scaled_by_g_over_g_minus_1():
     r = torch.rand(24, generator=torch.Generator().manual_seed(0))
     for g in (2, 3, 4, 8):
         centred = objective.group_advantages(r, g, scale_rewards=False)
-        assert torch.allclose(S.reference_rloo_advantages(r, g), centred * g / (g - 1), atol=1e-6)
+        assert torch.allclose(nb02.reference_rloo_advantages(r, g), centred * g / (g - 1), atol=1e-6)
     with pytest.raises(ValueError):
-        S.reference_rloo_advantages(r, 1)
+        nb02.reference_rloo_advantages(r, 1)
 
 
 def test_dual_clip_is_the_clipped_surrogate_unless_a_negative_advantage_is_past_the_bound():
@@ -280,7 +285,7 @@ def test_dual_clip_is_the_clipped_surrogate_unless_a_negative_advantage_is_past_
     old = -torch.rand(6, 50, generator=g)
     logp = old + torch.randn(6, 50, generator=g)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, -2.0])
-    dual = S.reference_dual_clip_surrogate(logp, old, adv, 0.2, 0.28, 3.0)
+    dual = nb03.reference_dual_clip_surrogate(logp, old, adv, 0.2, 0.28, 3.0)
     plain = objective.clipped_surrogate(logp, old, adv, 0.2, 0.28)[0]
     bound = (adv.unsqueeze(-1) < 0) & (torch.exp(logp - old) > 3.0)
     assert bound.any()
@@ -293,7 +298,7 @@ def test_clip_fractions_match_the_surrogates_region_clipped():
     old = -torch.rand(8, 20, generator=g)
     logp = old + torch.randn(8, 20, generator=g) * 0.3
     adv = torch.randn(8, generator=g)
-    low, high = S.reference_clip_higher_fractions(logp, old, adv, 0.2, 0.28)
+    low, high = nb03.reference_clip_higher_fractions(logp, old, adv, 0.2, 0.28)
     clipped = objective.clipped_surrogate(logp, old, adv, 0.2, 0.28)[1]
     assert math.isclose(low + high, float(clipped.float().mean()), abs_tol=1e-7)
 
@@ -302,7 +307,7 @@ def test_sequence_ratio_is_finite_where_report_001s_sum_overflows():
     old = torch.zeros(1, 1000)
     logp = old + 0.1  # a mean log-ratio of 0.1 over 1000 tokens: the sum is 100
     mask = torch.ones(1, 1000, dtype=torch.long)
-    assert math.isclose(float(S.reference_sequence_level_ratio(logp, old, mask)), math.exp(0.1),
+    assert math.isclose(float(nb03.reference_sequence_level_ratio(logp, old, mask)), math.exp(0.1),
                         rel_tol=1e-5)
     lp, base = naive.sequence_log_ratio_inputs(logp, old, mask)
     assert torch.isinf(torch.exp(lp - base)).all()
@@ -313,7 +318,7 @@ def test_kl_gradients_match_their_closed_forms():
     for _ in range(5):
         z, w = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g,
                                                                              dtype=torch.float64)
-        reverse, forward = S.reference_kl_gradients(z.clone().requires_grad_(True), w)
+        reverse, forward = nb09.reference_kl_gradients(z.clone().requires_grad_(True), w)
         logp, logq = z.log_softmax(-1), w.log_softmax(-1)
         kl = (logp.exp() * (logp - logq)).sum()
         assert torch.allclose(reverse, logp.exp() * (logp - logq - kl), atol=1e-12)
@@ -327,8 +332,8 @@ def test_k1_k2_k3_expected_gradients(seed):
     z = torch.randn(8, generator=g) * (1 + seed)
     w = torch.randn(8, generator=g)
     leaf = z.clone().requires_grad_(True)
-    reverse, forward = S.reference_kl_gradients(leaf, w)
-    grads = {name: S.reference_estimator_expected_gradient(k, leaf, w)
+    reverse, forward = nb09.reference_kl_gradients(leaf, w)
+    grads = {name: nb09.reference_estimator_expected_gradient(k, leaf, w)
              for name, k in (("k1", objective.kl_k1), ("k2", objective.kl_k2),
                              ("k3", objective.kl_k3))}
     assert leaf.grad is None  # no .backward() on the caller's tensor
@@ -343,5 +348,5 @@ def test_adaptive_beta_follows_trls_controller():
     beta = 0.2
     for kl in (0.0, 3.0, 6.0, 6.6, 12.0):
         error = float(torch.tensor(kl / 6.0 - 1).clamp(-0.2, 0.2))
-        assert math.isclose(S.reference_adaptive_beta(beta, kl, 6.0, 10_000, 256),
+        assert math.isclose(nb09.reference_adaptive_beta(beta, kl, 6.0, 10_000, 256),
                             beta * (1 + error * 256 / 10_000))

@@ -45,8 +45,7 @@ RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.
 PRELOAD = (
     "ipykernel.zmqshell", "torch", "numpy", "ipywidgets", "tqdm.auto", "IPython.display",
     "matplotlib.pyplot", "grpo_lab.trainer", "grpo_lab.policy", "grpo_lab.sampling",
-    "grpo_lab.objective", "grpo_lab.course.steps", "grpo_lab.course.checks",
-    "grpo_lab.course.step_checks", "grpo_lab.course.hardening_checks",
+    "grpo_lab.objective", "grpo_lab.course.steps", "grpo_lab.course.exercises.fixtures",
     "grpo_lab.course.workbook", "grpo_lab.course.plots", "grpo_lab.field.scenarios",
 )
 NOT_PRELOADED = ("ipykernel.kernelapp",)

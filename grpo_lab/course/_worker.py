@@ -2,13 +2,13 @@
 
 Started by `sandbox.Worker` as `python -I -c <bootstrap>` in a fresh temporary folder. It
 imports nothing from grpo_lab itself at start (the exercise's own imports may, and a
-"drive" request imports the checker module whose driver it runs). It answers framed
+"drive" request imports the exercises, among which it finds the driver it runs). It answers framed
 requests on a pipe (grader -> worker: pickled; worker -> grader: JSON plus one list of
 plain tensors, loaded by the grader with `torch.load(weights_only=True)`):
 
     ("define", name, prelude, source, forbidden)  run the student's exercise cell
     ("call", name, args, kwargs)                  call the student's function
-    ("drive", name, module, driver, params)       run a checker's driver (module.DRIVERS) on
+    ("drive", name, module, driver, params)       run a driver an exercise declares on
                                                   it: a fixed case built here (a model, an
                                                   optimizer)
     ("backward", grads)                            gradients of the last call's outputs
@@ -265,14 +265,16 @@ def main(fd_in: int, fd_out: int) -> None:
                 # a trusted driver of the package builds the case (a model, an optimizer)
                 # here, beside the student's function, and returns tensors and numbers
                 _, name, module, driver, params = request
-                if not str(module).startswith("grpo_lab.course."):
-                    raise ValueError(f"no drivers in {module!r}")
-                drivers = importlib.import_module(module).DRIVERS  # a checker module's
+                # the package's registry, imported on the first drive request (see above)
+                exercises = importlib.import_module("grpo_lab.course.exercises")
+                run_driver = exercises.driver(str(module), str(driver))  # a declared one
+                if run_driver is None:
+                    raise ValueError(f"no exercise's driver is {module}.{driver}")
                 trip.forbidden, trip.hit = forbidden[name], None
                 last.clear()
                 sys.setprofile(trip)
                 try:
-                    out = drivers[driver](functions[name], **params)
+                    out = run_driver(functions[name], **params)
                 finally:
                     sys.setprofile(None)
                 tensors = []

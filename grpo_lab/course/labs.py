@@ -29,16 +29,12 @@ parents that holds solutions/ and labs/, else from a source checkout the package
 from __future__ import annotations
 
 import ast
-import contextlib
-import io
 import json
 import re
 import sys
 from pathlib import Path
 
-from . import checks, diagnose, hardening_checks, predictions, step_checks, stretch
-
-CHECKER_MODULES = (checks, step_checks, hardening_checks, stretch)
+from . import diagnose, exercises, predictions
 
 MANIFEST = Path(__file__).with_name("exercises.json")
 CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")
@@ -179,13 +175,10 @@ def find_root(root: str | Path | None = None) -> Path:
 
 
 def find_checker(checker: str):
-    """The checker function of this name (`check_<exercise>`), from the modules that hold
-    them; None when there is none."""
-    for module in CHECKER_MODULES:
-        fn = getattr(module, checker, None)
-        if callable(fn):
-            return fn
-    return None
+    """The checker function of this name (`check_<exercise>`), from the exercises
+    (grpo_lab/course/exercises); None when there is none."""
+    exercise = exercises.find(checker.removeprefix("check_"))
+    return exercise.check if exercise is not None and checker.startswith("check_") else None
 
 
 def exercises_of(nb) -> list[str]:
@@ -291,14 +284,9 @@ def _top_functions(source: str) -> list[str]:
     return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
-def _reference_of(checker) -> str:
-    """The dotted name of the reference a checker compares with (it returns it even for a
-    function that is not implemented)."""
-    def stub(*args, **kwargs):
-        raise NotImplementedError
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        ref = checker(stub).reference
+def _reference_of(name: str) -> str:
+    """The dotted name of exercise `name`'s reference."""
+    ref = exercises.find(name).reference
     return f"{ref.__module__}.{ref.__qualname__}"
 
 
@@ -335,14 +323,14 @@ def exercise_specs(nb) -> list[dict]:
         check_cell = next((c for i, c in cells if i > index and
                            re.search(rf"\bcheck_{name}\(", c.source)), None)
         checker = f"check_{name}"
-        reference = _reference_of(find_checker(checker))
+        reference = _reference_of(name)
         module, ref_name = reference.rsplit(".", 1)
         forbidden = sorted({name, checker, ref_name})
         setup = [s for i, c in cells if i < index for s in _setup_imports(c.source)]
         # names the cell may use besides its imports: functions loaded from earlier
         # notebooks and this notebook's earlier exercises; the grader binds them to their
         # references (each is graded on its own)
-        provided = {bound: _reference_of(find_checker(f"check_{fn}"))
+        provided = {bound: _reference_of(fn)
                     for i, c in cells if i < index for bound, fn in loaded_names(c.source)}
         provided.update({e["function"]: e["reference"] for e in out})
         may_use = sorted({f for s in setup for f in s["full"]
@@ -532,13 +520,9 @@ EXERCISE_TABLE = Path("docs") / "exercises.md"
 
 
 def known_mistakes(exercise: str) -> list[str]:
-    """The named mistakes a checker's catalog holds for this exercise (MISTAKES of the
-    checker modules that keep one), e.g. ['no_zero_grad', 'answers_tiled', ...]."""
-    for module in CHECKER_MODULES:
-        catalog = getattr(module, "MISTAKES", {}).get(exercise)
-        if catalog:
-            return list(catalog[0])
-    return []
+    """The known mistakes this exercise's check names, e.g. ['no_zero_grad', ...]."""
+    found = exercises.find(exercise)
+    return [m.name for m in found.mistakes] if found is not None else []
 
 
 def exercise_table(data: dict) -> str:
@@ -561,10 +545,11 @@ def exercise_table(data: dict) -> str:
         f"stretch ({ps} points), checked and graded but not needed later (the gradebook "
         "lists their points apart: columns `stretch`, `stretch_max`). An exercise's "
         "points come from its cell's metadata, `grpo_lab: {points: N, tier: core|stretch}`.",
-        "", "The last column lists the mistakes a whole-step checker recognises and names "
-        "in its verdict (it reruns the reference with each one put in and reports the one "
-        "that reproduces the submission); the other checkers name theirs in their "
-        "messages (tests/test_checks.py).", "",
+        "", "The last column lists the known mistakes each exercise's check names in its "
+        "verdict: it reruns the reference with each one put in and reports the one that "
+        "reproduces the submission (each exercise's `mistakes`, "
+        "grpo_lab/course/exercises/; tests/test_exercises.py checks every one). Other "
+        "checks name what they find in their messages (tests/test_checks.py).", "",
         "| notebook | exercise | tier | points | checker | named mistakes |",
         "|---|---|---|---|---|---|", *rows, ""])
 

@@ -45,7 +45,7 @@ import torch
 
 from . import _worker
 from ._worker import landlock_abi
-from .checks import Mismatch
+from .exercises.base import Mismatch
 
 PACKAGE = Path(__file__).resolve().parent.parent
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import statistics
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -47,11 +48,10 @@ from ..objective import (
     masked_mean,
     token_weights,
 )
-from ..sampling import decode_loop, encode_prompts, sample_group
-from ..step import Run
+from ..sampling import SamplingError, SanitizeLogits, decode_loop, encode_prompts, sample_group
+from ..step import SPIKE_MIN_HISTORY, Run
 from ..tasks import Problem, addition_reward
 from ..trainer import StepError, Trainer, check_step_result, diagnosis  # noqa: F401
-from .checks import reference_clip_grad_norm, reference_sanitize_logits, reference_should_skip
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -161,6 +161,24 @@ def clamped_reported_loss(logp, old_logp, ref_logp, advantages, weights, cfg):
                   "log_ratio/max_abs": log_ratio.detach().abs().max().item()}
 
 
+def clip_grad_norm(grads: list[torch.Tensor],
+                   max_norm: float) -> tuple[list[torch.Tensor], float]:
+    """torch.nn.utils.clip_grad_norm_ as a function of the gradients: (clipped copies, the
+    global norm before clipping). A NaN norm makes the scale NaN, as in torch."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return [g * scale.to(g.dtype) for g in grads], float(norm)
+
+
+def should_skip(grad_norm: float, recent, factor: float) -> bool:
+    """The trainer's skip rule (step.guarded_update with skip_nonfinite_grad and
+    spike_skip_factor): skip a non-finite norm; skip a finite one above factor x the median of
+    the recent norms, once there are SPIKE_MIN_HISTORY of them."""
+    if not math.isfinite(grad_norm):
+        return True
+    return len(recent) >= SPIKE_MIN_HISTORY and grad_norm > factor * statistics.median(recent)
+
+
 def guarded_update(run: Run) -> tuple[float, int]:
     """apply_update with the skip rule (notebook 06), from the notebook's two exercises
     (`clip_grad_norm`, `should_skip`): the grad norm before clipping; skip the update (clear
@@ -172,8 +190,8 @@ def guarded_update(run: Run) -> tuple[float, int]:
     params = [p for p in run.policy.parameters() if p.grad is not None]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
     factor = cfg.spike_skip_factor if cfg.spike_skip_factor is not None else math.inf
-    clipped, grad_norm = reference_clip_grad_norm([p.grad for p in params], max_norm)
-    skip = reference_should_skip(grad_norm, run.recent_grad_norms, factor)
+    clipped, grad_norm = clip_grad_norm([p.grad for p in params], max_norm)
+    skip = should_skip(grad_norm, run.recent_grad_norms, factor)
     if math.isfinite(grad_norm):
         run.recent_grad_norms.append(grad_norm)  # skipped norms count too
     if skip:
@@ -248,12 +266,20 @@ def grpo_step(run: Run, problems: list[Problem], loss_fn: LossFn,
     return step_metrics(run, rewards, mask, loss.item(), grad_norm, skipped, stats)
 
 
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The package's SanitizeLogits as a function of the logits alone, raising ValueError."""
+    try:
+        return SanitizeLogits()(torch.zeros(logits.shape[0], 0, dtype=torch.long), logits)
+    except SamplingError as e:
+        raise ValueError(str(e)) from None
+
+
 def safe_sample(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """sample_group made safe (notebook 10): refuse a token id the embedding has no row for,
     in the prompts or as the pad token that fills finished completions (report 002), with a
     ValueError naming the id and the table's size; and sanitise every step's logits
-    (checks.reference_sanitize_logits: NaN -> -inf, +inf -> the largest float, a row with
+    (sanitize_logits: NaN -> -inf, +inf -> the largest float, a row with
     nothing finite left -> ValueError) before sampling."""
     ids, _ = encode_prompts(tokenizer, prompts, next(model.parameters()).device)
     rows = model.get_input_embeddings().num_embeddings
@@ -263,7 +289,7 @@ def safe_sample(model, tokenizer, prompts: list[str], group_size: int, max_new_t
             raise ValueError(f"{what} {i} has no row in the embedding ({rows} rows): a pad "
                              "token added to the tokenizer but not to the model?")
     return sample_group(model, tokenizer, prompts, group_size, max_new_tokens, temperature,
-                        top_k, top_p, sanitize=reference_sanitize_logits)
+                        top_k, top_p, sanitize=sanitize_logits)
 
 
 # --- reading runs (notebooks 05 and 11) -----------------------------------------------------

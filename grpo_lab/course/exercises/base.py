@@ -1,0 +1,403 @@
+"""What every exercise's check is made of: the exercise as data (`Exercise`, `Case`,
+`Mistake`), the verdict (`CheckResult`), and the comparisons that say, in the learner's
+terms, where a result differs.
+
+A checker never raises. It prints one verdict and returns a `CheckResult`:
+
+    result = check_group_advantages(group_advantages)
+    group_advantages = result.use()  # yours if it passed, else the reference: the rest runs
+
+An exercise still raising NotImplementedError reports "not implemented yet".
+
+Each notebook's exercises live in one module, `nbNN.py`, as `Exercise` records: the
+reference, the check (written out, or built from `cases`), the driver where the check needs
+a model, and the known mistakes, each a `Mistake`: the reference with that one mistake put in
+and the message a learner whose result it reproduces reads. docs/contributing.md says how to
+add one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CheckResult:
+    exercise: str
+    status: str  # "passed" | "failed" | "not implemented"
+    reason: str
+    yours: Callable | None
+    reference: Callable
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def use(self) -> Callable:
+        return self.yours if self.passed else self.reference
+
+
+class Mismatch(Exception):
+    """A case where the learner's function disagrees with the reference (message: why)."""
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A known mistake of an exercise, as data."""
+
+    name: str
+    """What the mistake is, in a few words (`kl_sign`): listed in docs/exercises.md."""
+    wrong: Callable
+    """The reference with this one mistake put in: the exercise's signature (or, for a
+    whole-step exercise, what its driver runs)."""
+    message: str
+    """What a learner whose result matches `wrong`'s reads: what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input an exercise's function is called on, beside the reference."""
+
+    label: str
+    """What the learner reads when this case fails: "one group of four, all rewards equal"."""
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One graded function of a notebook. `python -m grpo_lab labs` finds it by name:
+    the solution notebook calls `check_<name>(...)` after defining `<name>`."""
+
+    name: str
+    """The function the learner writes, and the `check_<name>` that checks it."""
+    reference: Callable
+    """The correct function: the engine's (grpo_lab.objective.kl_k3) or one written beside
+    the exercise. The grader binds it wherever a later exercise needs this one."""
+    check: Callable[[Callable], CheckResult] | None = None
+    """A written-out checker, for what cases cannot say (a model, an update, a whole step).
+    None: built from `cases` and `mistakes` (`check_cases`)."""
+    cases: tuple[Case, ...] = ()
+    """The inputs the built checker calls both functions on; the first that differs fails."""
+    mistakes: tuple[Mistake, ...] = ()
+    """The known mistakes the check recognises and names."""
+    driver: Callable | None = None
+    """For a whole-step exercise: the function that builds its case around the learner's
+    function and returns what the check compares (it runs in the grader's sandbox)."""
+    tolerance: dict = field(default_factory=lambda: dict(atol=1e-5, rtol=1e-4))
+    """How close to the reference's a built checker's results must be (torch.allclose)."""
+
+    def __post_init__(self):
+        if self.check is None:
+            if not self.cases:
+                raise ValueError(f"exercise {self.name!r}: give it a check or cases")
+            object.__setattr__(self, "check", _case_checker(self))
+
+    def mistake(self, name: str) -> Mistake:
+        return next(m for m in self.mistakes if m.name == name)
+
+
+def _case_checker(exercise: Exercise) -> Callable[[Callable], CheckResult]:
+    def check(fn: Callable) -> CheckResult:
+        return check_cases(exercise, fn)
+    check.__name__ = check.__qualname__ = f"check_{exercise.name}"
+    check.__doc__ = f"Check your `{exercise.name}` against the reference on " \
+        f"{len(exercise.cases)} cases."
+    check.reference = exercise.reference
+    return check
+
+
+def check_cases(exercise: Exercise, fn: Callable) -> CheckResult:
+    """Call `fn` and the reference on each case; where a result differs, name the known
+    mistake that gives it, else say where it differs (`expect`)."""
+    def case(c: Case):
+        def run(f):
+            got = f(*c.args, **c.kwargs)
+            want = exercise.reference(*c.args, **c.kwargs)
+            if not close(got, want, **exercise.tolerance):
+                for m in exercise.mistakes:
+                    try:
+                        wrong = m.wrong(*c.args, **c.kwargs)
+                    except Exception:  # noqa: BLE001 - a mistake that cannot run matches nothing
+                        continue
+                    if close(got, wrong, **exercise.tolerance):
+                        raise Mismatch(m.message)
+            expect(got, want, "your result", **exercise.tolerance)
+        return run
+
+    return run_check(exercise.name, fn, exercise.reference, [(c.label, case(c))
+                                                             for c in exercise.cases])
+
+
+def close(a, b, atol=1e-5, rtol=1e-4) -> bool:
+    if isinstance(b, torch.Tensor):
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+            return False
+        return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol, equal_nan=True))
+    if isinstance(b, float):
+        return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
+    return a == b
+
+
+def shape_of(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)[:60]
+
+
+def run_check(name: str, yours: Callable, reference: Callable,
+              cases: list[tuple[str, Callable[[Callable], None]]]) -> CheckResult:
+    """Run each (description, test) case; the first failing one gives the reason. Every call
+    of `yours` is watched: changing an input tensor in place fails the case."""
+    label = f"check_{name}"
+    status, reason = "passed", ""
+    guarded = no_mutation(yours, reference)
+    for description, case in cases:
+        try:
+            case(guarded)
+        except NotImplementedError:
+            status, reason = "not implemented", "not implemented yet: the notebook carries on " \
+                "with the reference"
+        except Mismatch as e:
+            status, reason = "failed", f"{description}: {e}"
+        except Exception as e:
+            kind = getattr(e, "type_name", type(e).__name__)
+            status, reason = "failed", f"{description}: your function raised {kind}: {e}" \
+                if not hasattr(e, "type_name") else f"{description}: your function raised {e}"
+        if status != "passed":
+            break
+    icon = {"passed": "✅", "failed": "❌", "not implemented": "⏳"}[status]
+    print(f"{icon} {label}: " + (reason or f"passed {len(cases)} cases"))
+    return CheckResult(name, status, reason, yours, reference)
+
+
+def tensor_args(args, kwargs, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for i, a in enumerate(args):
+        label = f"`{names[i]}`" if i < len(names) else f"argument {i + 1}"
+        out += [(label, t) for t in flat_tensors(a)]
+    for k, v in kwargs.items():
+        out += [(f"`{k}`", t) for t in flat_tensors(v)]
+    return out
+
+
+def flat_tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in flat_tensors(v)]
+    return []
+
+
+def no_mutation(fn: Callable, reference: Callable) -> Callable:
+    try:
+        names = list(inspect.signature(reference).parameters)
+    except (TypeError, ValueError):
+        names = []
+
+    def call(*args, **kwargs):
+        watched = tensor_args(args, kwargs, names)
+        before = [t.detach().clone() for _, t in watched]
+        out = fn(*args, **kwargs)
+        for (label, t), b in zip(watched, before, strict=True):
+            if t.shape != b.shape or not torch.equal(t.detach().nan_to_num(0.5),
+                                                     b.nan_to_num(0.5)):
+                raise Mismatch(f"your function changed its input {label} in place (an in-place "
+                               "op such as `x -= ...`, `x[...] = ...` or `.clamp_()`): the "
+                               "caller still needs it; work on a copy or use out-of-place ops")
+        return out
+
+    call.__wrapped_student__ = fn
+    return call
+
+
+def expect(got, want, what: str, **tol) -> None:
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise Mismatch(f"{what}: you returned {kind_of(got)}, expected a tensor of "
+                           f"{shape_of(want)}")
+        if got.shape != want.shape:
+            raise Mismatch(f"{what} has {shape_of(got)}, expected {shape_of(want)}")
+        if got.is_complex() or (got.dtype == torch.bool) != (want.dtype == torch.bool) and \
+                want.dtype != torch.bool:
+            raise Mismatch(f"{what} has dtype {got.dtype}, expected {want.dtype}")
+        if torch.isnan(got).any() and not torch.isnan(want).any():
+            raise Mismatch(f"{what} contains NaN where the reference has none")
+    if not close(got, want, **tol):
+        raise Mismatch(f"{what} is wrong: {difference(got, want, **tol)}")
+
+
+def kind_of(x) -> str:
+    return f"{type(x).__name__} {fmt(x)}" if x is not None else "None"
+
+
+def difference(got, want, atol=1e-5, rtol=1e-4) -> str:
+    """Where and by how much `got` differs from `want`, and a guess at why."""
+    if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
+        return f"yours is {fmt(got)}, expected {fmt(want)}"
+    g, w = got.detach().double(), want.detach().double()
+    bad = ~torch.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True)
+    idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.any() else ()
+    at = f"[{', '.join(map(str, idx))}]" if idx else ""
+    n = int(bad.sum())
+    msg = (f"{n} of {bad.numel()} entries differ; at {at or 'the value'} yours is "
+           f"{g[idx].item():.6g}, expected {w[idx].item():.6g} "
+           f"(off by {abs(g[idx] - w[idx]).item():.2g}; tolerance {atol:g} + {rtol:g} x |expected|)")
+    cause = cause_of(g, w, atol, rtol)
+    return msg + (f": {cause}" if cause else "")
+
+
+def cause_of(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
+    finite = torch.isfinite(g) & torch.isfinite(w)
+    if not finite.any():
+        return ""
+    g, w = g[finite], w[finite]
+    if torch.allclose(g, -w, rtol=rtol, atol=atol) and w.abs().max() > atol:
+        return "yours has the opposite sign everywhere"
+    nz = w.abs() > 1e-8
+    if nz.any():
+        ratio = g[nz] / w[nz]
+        k = ratio.median()
+        if torch.allclose(g, w * k, rtol=rtol, atol=atol) and not math.isclose(k.item(), 1):
+            return f"yours is {k.item():.4g} x the expected value everywhere (a wrong " \
+                "normaliser or a missing factor?)"
+    d = (g - w).median()
+    if torch.allclose(g, w + d, rtol=rtol, atol=atol) and abs(d.item()) > atol:
+        return f"yours is off by a constant {d.item():.4g} everywhere"
+    rel = ((g - w).abs() / w.abs().clamp(min=1e-12)).max().item()
+    if rel < 1e-2:
+        return "close but not equal: rounding? (compute in float32 and do not round)"
+    return ""
+
+
+def fmt(x) -> str:
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().flatten()[:6].tolist()
+        return f"{[round(v, 4) if isinstance(v, float) else v for v in flat]}" + (
+            "..." if x.numel() > 6 else "")
+    return repr(x)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def requires_grad(out, what: str, wrt: str = "logp") -> None:
+    if not isinstance(out, torch.Tensor):
+        return
+    if not out.requires_grad:
+        raise Mismatch(f"{what} carries no gradient with respect to {wrt}: did you .detach() "
+                       "it, compute it under torch.no_grad(), or go through .item()/numpy? "
+                       "Training could not learn from it")
+
+
+def grad_of(out: torch.Tensor, leaf: torch.Tensor, upstream: torch.Tensor, what: str):
+    try:
+        (g,) = torch.autograd.grad(out, leaf, upstream, allow_unused=True)
+    except RuntimeError as e:
+        raise Mismatch(f"the gradient of {what} could not be computed through your function "
+                       f"({str(e)[:120]})") from None
+    return torch.zeros_like(leaf) if g is None else g
+
+
+STEP_TOL = dict(atol=1e-6, rtol=1e-4)
+
+
+@contextlib.contextmanager
+def patched(module, **names):
+    old = {k: getattr(module, k) for k in names}
+    for k, v in names.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def which_mistake(got: torch.Tensor, mistakes: tuple[Mistake, ...],
+                  run_wrong: Callable) -> str | None:
+    """The message of the known mistake whose result matches `got`, if one does.
+    `run_wrong(wrong)` runs one mistake's function on the case at hand."""
+    for mistake in mistakes:
+        try:
+            want = run_wrong(mistake.wrong)
+        except Exception:  # noqa: BLE001 - a mistake that cannot run on this case matches nothing
+            continue
+        if isinstance(want, torch.Tensor) and want.shape == got.shape and torch.allclose(
+                got.double(), want.double(), equal_nan=True, **STEP_TOL):
+            return mistake.message
+    return None
+
+
+def compare(got, want, what: str, mistakes: tuple[Mistake, ...], run_wrong: Callable) -> None:
+    """`got` must equal `want`; where it does not, name the mistake that gives `got`."""
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and \
+            got.shape == want.shape and torch.allclose(got.double(), want.double(), **STEP_TOL):
+        return
+    if isinstance(got, torch.Tensor) and got.shape == want.shape:
+        named = which_mistake(got, mistakes, run_wrong)
+        if named:
+            raise Mismatch(f"{what} differs from the reference: {named}")
+    expect(got, want, what, **STEP_TOL)
+
+
+def as_float(x):
+    """A one-element tensor or a numpy scalar as a Python float; anything else unchanged."""
+    if isinstance(x, bool):
+        return x
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_complex():
+        return float(x.detach())
+    if not isinstance(x, (int, float)) and hasattr(x, "item") and getattr(x, "size", 0) == 1:
+        try:
+            return float(x.item())
+        except (TypeError, ValueError):
+            return x
+    return float(x) if isinstance(x, int) else x
+
+
+def same_value(got, want) -> bool:
+    """`got` is a tensor equal to `want` (a wrong answer the checker knows)."""
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and close(got, want)
+
+
+# --- comparing with the reference and the known mistakes ---------------------------------------
+def same(got, want) -> bool:
+    return isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and \
+        got.shape == want.shape and torch.allclose(got.double(), want.double(), equal_nan=True,
+                                                   **STEP_TOL)
+
+
+def compare_all(got, want, what: str, mistakes: tuple[Mistake, ...], run_wrong: Callable,
+                unnamed: Callable[[], None] | None = None) -> None:
+    """`got` must equal `want`; where it does not, name every known mistake whose function
+    gives `got` (two mistakes can leave the same numbers: both are named); where none does,
+    `unnamed()` may raise a more precise Mismatch before the generic one."""
+    if same(got, want):
+        return
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and \
+            got.shape == want.shape:
+        named = []
+        for mistake in mistakes:
+            try:
+                result = run_wrong(mistake.wrong)
+            except Exception:  # noqa: BLE001 - a mistake that cannot run here matches nothing
+                continue
+            if same(got, result):
+                named.append(mistake.message)
+        if named:
+            raise Mismatch(f"{what} differ from the reference: " + "; or ".join(named))
+    if unnamed is not None:
+        unnamed()
+    expect(got, want, what, **STEP_TOL)
+
+
+def number(x) -> float:
+    """A returned flag or count as a float; anything else (None, a tuple) as -1."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    return float(x) if isinstance(x, (bool, int, float)) else -1.0

@@ -1,0 +1,134 @@
+"""Notebook 01, gpt2 and sampling: the checks of its exercises, and each exercise as
+data in `EXERCISES`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ... import objective
+from ...objective import position_ids_from_mask, token_logprobs
+from .. import steps
+from .base import CheckResult, Exercise, Mismatch, Mistake, expect, gen, run_check
+from .fixtures import drive, drive_sample_tokens
+
+
+def check_position_ids_from_mask(fn: Callable) -> CheckResult:
+    ref = objective.position_ids_from_mask
+
+    def case(mask):
+        def run(f):
+            got = f(mask.clone())
+            want = ref(mask)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and not torch.equal(
+                got.long(), want
+            ):
+                row = int((got.long() != want).any(-1).nonzero()[0])
+                raise Mismatch(f"row {row} with mask {mask[row].tolist()} got positions "
+                               f"{got[row].tolist()}, expected {want[row].tolist()} (the first "
+                               "real token is position 0, padding does not advance it)")
+            expect(got, want, "the position ids")
+        return run
+
+    return run_check("position_ids_from_mask", fn, ref, [
+        ("no padding", case(torch.ones(2, 4, dtype=torch.long))),
+        ("left padding of different lengths",
+         case(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))),
+        ("a row that is all padding", case(torch.tensor([[0, 0, 0], [0, 1, 1]]))),
+    ])
+
+
+def check_token_logprobs(fn: Callable) -> CheckResult:
+    ref = objective.token_logprobs
+
+    def case(logits, ids, what):
+        def run(f):
+            got = f(logits.clone(), ids.clone())
+            if isinstance(got, torch.Tensor) and got.shape == ids.shape and (got > 1e-6).any():
+                raise Mismatch(f"{what}: some log-probs are > 0; did you gather from the logits "
+                               "instead of log_softmax(logits)?")
+            expect(got, ref(logits, ids), f"{what}: the log-probs")
+        return run
+
+    logits = torch.randn(3, 4, 7, generator=gen(0))
+    ids = torch.randint(0, 7, (3, 4), generator=gen(1))
+    big = torch.randn(2, 3, 5, generator=gen(2)) * 1000  # softmax(exp) overflows naively
+    return run_check("token_logprobs", fn, ref, [
+        ("random logits", case(logits, ids, "random logits")),
+        ("logits of size 1000 (use log_softmax, not log(softmax))",
+         case(big, torch.zeros(2, 3, dtype=torch.long), "huge logits")),
+    ])
+
+
+# sample_tokens's known mistakes: each is a sampler of (model, ids, mask, n, temperature,
+# eos, pad)
+def _sampler_no_position_ids(model, ids, mask, n, temperature, eos, pad):
+    seq, m = ids, mask
+    for _ in range(n):
+        logits = model(input_ids=seq, attention_mask=m).logits[:, -1].float()
+        token = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+        seq, m = torch.cat([seq, token], 1), torch.cat([m, torch.ones_like(token)], 1)
+    out = seq[:, ids.shape[1]:]
+    ended = (out == eos).long().cumsum(-1) - (out == eos).long() > 0
+    return out.masked_fill(ended, pad)
+
+
+def _sampler_at_one(model, ids, mask, n, temperature, eos, pad):
+    return steps.sample_tokens(model, ids, mask, n, 1.0, eos, pad)
+
+
+def _no_padding_after_eos(model, ids, mask, n, temperature, eos, pad):
+    return steps.sample_tokens(model, ids, mask, n, temperature, -1, pad)
+
+
+def _greedy(model, ids, mask, n, temperature, eos, pad):
+    return steps.sample_tokens(model, ids, mask, n, 1e-4, eos, pad)
+
+
+SAMPLE_TOKENS_MISTAKES = (
+    Mistake("no_position_ids", _sampler_no_position_ids,
+            "no position ids: a left-padded row then sees its tokens at shifted positions; "
+            "pass position_ids from the mask (and the next position, one more, at each step)"),
+    Mistake("temperature_ignored", _sampler_at_one,
+            "the temperature is missing: sample from softmax(logits / temperature)"),
+    Mistake("no_padding_after_eos", _no_padding_after_eos,
+            "a row goes on after its EOS: from the step after a row's first EOS, write "
+            "pad_token_id, and stop when every row is done"),
+    Mistake("greedy", _greedy,
+            "this is greedy decoding (argmax): GRPO needs G different samples per prompt; "
+            "draw with torch.multinomial"),
+)
+
+
+def check_sample_tokens(fn: Callable) -> CheckResult:
+    ref = steps.sample_tokens
+
+    def case(seed, temperature):
+        def run(f):
+            out = drive(f, drive_sample_tokens, seed=seed, temperature=temperature)["ids"]
+            want = drive_sample_tokens(ref, seed, temperature)["ids"]
+            if isinstance(out, torch.Tensor) and out.shape == want.shape and torch.equal(out, want):
+                return
+            for mistake in SAMPLE_TOKENS_MISTAKES:
+                other = drive_sample_tokens(mistake.wrong, seed, temperature)["ids"]
+                if isinstance(out, torch.Tensor) and out.shape == other.shape and \
+                        torch.equal(out, other):
+                    raise Mismatch(f"the sampled ids differ from the reference's (same seed): "
+                                   f"{mistake.message}")
+            expect(out, want, "the sampled completion ids (same seed, same draws)")
+        return run
+
+    return run_check("sample_tokens", fn, ref, [
+        ("left-padded prompts, T = 0.7, seed 0", case(0, 0.7)),
+        ("T = 1.3, seed 1", case(1, 1.3)),
+    ])
+
+
+# --- the notebook's exercises, in its order -------------------------------------------------
+EXERCISES = (
+    Exercise('position_ids_from_mask', position_ids_from_mask, check_position_ids_from_mask),
+    Exercise('sample_tokens', steps.sample_tokens, check_sample_tokens,
+             driver=drive_sample_tokens, mistakes=SAMPLE_TOKENS_MISTAKES),
+    Exercise('token_logprobs', token_logprobs, check_token_logprobs),
+)

@@ -1,0 +1,141 @@
+"""Notebook 05, break it: the checks of its exercises, and each exercise as
+data in `EXERCISES`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ... import naive
+from ...objective import (
+    clipped_surrogate,
+    kl_k3,
+)
+from .. import steps
+from .base import CheckResult, Exercise, Mismatch, Mistake, expect, run_check
+from .fixtures import check_loss, drive_loss
+
+
+def reference_first_nonfinite_step(history: list[dict]) -> int | None:
+    """The first step whose metrics show non-finite parameters, else None."""
+    return next((m["step"] for m in history if m.get("nonfinite_params", 0) > 0), None)
+
+
+def check_first_nonfinite_step(fn: Callable) -> CheckResult:
+    ref = reference_first_nonfinite_step
+    nan = float("nan")
+    healthy = [{"step": s, "grad_norm": 1.0, "nonfinite_params": 0} for s in range(1, 6)]
+    broken = healthy + [{"step": 6, "grad_norm": nan, "nonfinite_params": 12},
+                        {"step": 7, "grad_norm": nan, "nonfinite_params": 99}]
+    spike_then_nan = healthy[:3] + [{"step": 4, "grad_norm": 1e6, "nonfinite_params": 0},
+                                    {"step": 5, "grad_norm": nan, "nonfinite_params": 7}]
+    with_eval = [{"step": 0, "eval/accuracy": 0.4}] + broken
+
+    def case(history, what):
+        def run(f):
+            expect(f([dict(m) for m in history]), ref(history), what)
+        return run
+
+    return run_check("first_nonfinite_step", fn, ref, [
+        ("a healthy run", case(healthy, "the answer for a healthy run")),
+        ("a run that breaks at step 6", case(broken, "the first bad step")),
+        ("a spike before the NaN", case(spike_then_nan,
+                                        "the first bad step (a spike is not yet corruption)")),
+        ("an eval-only row at step 0", case(with_eval, "the first bad step")),
+    ])
+
+
+def _report_variant(logp, base, ref_logp, advantages, weights, cfg, summed=True,
+                    constant=True):
+    """Report 001's loss with its three choices as switches: the ratio against `base`,
+    summed over the completion or per token, and the constant or the clipped-ratio term."""
+    ratio_logp, ratio_base = (naive.sequence_log_ratio_inputs(logp, base, weights > 0)
+                              if summed else (logp, base))
+    surrogate = naive.constant_clip_surrogate if constant else clipped_surrogate
+    per_token, _ = surrogate(ratio_logp, ratio_base, advantages.detach(), cfg.epsilon_low,
+                             cfg.epsilon_high, None)
+    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
+
+
+def _ratio_against_old(logp, old_logp, ref_logp, advantages, weights, cfg):
+    return _report_variant(logp, old_logp, ref_logp, advantages, weights, cfg)
+
+
+def _per_token_ratio(logp, old_logp, ref_logp, advantages, weights, cfg):
+    return _report_variant(logp, ref_logp, ref_logp, advantages, weights, cfg, summed=False)
+
+
+def _clipped_ratio(logp, old_logp, ref_logp, advantages, weights, cfg):
+    return _report_variant(logp, ref_logp, ref_logp, advantages, weights, cfg, constant=False)
+
+
+REPORTED_LOSS_MISTAKES = (
+    Mistake("ratio_against_old", _ratio_against_old,
+            "the ratio is taken against pi_old (`old_logp`): that is the fix, not the report; "
+            "report 001 computes `exp(log_prob_current - log_prob_ref)`, against the "
+            "reference (`ref_logp`)"),
+    Mistake("per_token_ratio", _per_token_ratio,
+            "the log-ratio is per token: the course's reading of report 001 sums it over each "
+            "completion's tokens (mask them) before `exp`, broadcast to the row"),
+    Mistake("clipped_ratio", _clipped_ratio,
+            "the clipped term clips the ratio: report 001's `clip_ratio * advantage` is the "
+            "constant clip range times A, -min(r A, eps_low A)"),
+)
+
+
+def check_reported_loss(fn: Callable) -> CheckResult:
+    return check_loss("reported_loss", fn, steps.reported_loss, [
+        ("the reports' config (beta 0.05)", dict(seed=0, beta=0.05)),
+        ("another batch, beta 0", dict(seed=1, beta=0.0)),
+    ], REPORTED_LOSS_MISTAKES)
+
+
+def history_row(step, **kw):
+    return {"step": step, **kw}
+
+
+def check_diagnose(fn: Callable) -> CheckResult:
+    ref = steps.diagnose
+    nan = float("nan")
+    crashed = [history_row(0, nonfinite_params=0), history_row(1, grad_norm=2.0, nonfinite_params=0,
+               **{"log_ratio/max_abs": 0.0}),
+               history_row(2, grad_norm=8e4, nonfinite_params=0, **{"log_ratio/max_abs": 30.0}),
+               history_row(3, grad_norm=0.5, nonfinite_params=0, **{"log_ratio/max_abs": 52.0}),
+               history_row(4, grad_norm=nan, nonfinite_params=800, **{"log_ratio/max_abs": 207.0}),
+               history_row(5, grad_norm=1e9, nonfinite_params=800, **{"log_ratio/max_abs": nan})]
+    healthy = [history_row(0), history_row(1, grad_norm=3.0, nonfinite_params=0),
+               history_row(2, grad_norm=1.0, nonfinite_params=0)]
+
+    def case(history, what):
+        def run(f):
+            got, want = f([dict(m) for m in history]), ref(history)
+            if not isinstance(got, dict):
+                raise Mismatch(f"return a dict with {sorted(want)}; got {type(got).__name__}")
+            for k, v in want.items():
+                if k not in got:
+                    raise Mismatch(f"{what}: no {k!r} in your dict")
+                g = got[k]
+                same = g == v if v is None or isinstance(v, int) else (
+                    isinstance(g, (int, float)) and math.isclose(g, v, rel_tol=1e-9))
+                if not same:
+                    hint = {"max_grad_norm": " (only finite norms, and only up to the last "
+                            "healthy step: the broken step's norm is NaN)",
+                            "max_log_ratio": " (up to the last healthy step: the step that "
+                            "broke is where exp overflowed, not the drift before it)",
+                            "last_healthy_step": " (the step before the first broken one)"}
+                    raise Mismatch(f"{what}: {k} is {g!r}, expected {v!r}{hint.get(k, '')}")
+        return run
+
+    return run_check("diagnose", fn, ref, [
+        ("a run that broke at step 4", case(crashed, "a run that broke at step 4")),
+        ("a run that never broke", case(healthy, "a run that never broke")),
+    ])
+
+
+# --- the notebook's exercises, in its order -------------------------------------------------
+EXERCISES = (
+    Exercise('reported_loss', steps.reported_loss, check_reported_loss,
+             driver=drive_loss, mistakes=REPORTED_LOSS_MISTAKES),
+    Exercise('first_nonfinite_step', reference_first_nonfinite_step, check_first_nonfinite_step),
+    Exercise('diagnose', steps.diagnose, check_diagnose),
+)

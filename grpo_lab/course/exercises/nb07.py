@@ -1,0 +1,359 @@
+"""Notebook 07, fix health checks and recovery: the checks of its exercises, and each exercise as
+data in `EXERCISES`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ...health import Snapshot, nonfinite_params
+from .. import hardening, steps
+from .base import (
+    CheckResult,
+    Exercise,
+    Mismatch,
+    Mistake,
+    compare_all,
+    expect,
+    gen,
+    number,
+    run_check,
+    same,
+)
+from .fixtures import drive, fixture_run, flat_params
+
+
+def check_nonfinite_params(fn: Callable) -> CheckResult:
+
+    def model_with(values: dict[str, float]) -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        with torch.no_grad():
+            for i, (where, value) in enumerate(values.items()):
+                p = dict(model.named_parameters())[where]
+                p.view(-1)[i] = value
+        return model
+
+    def case(values, what):
+        def run(f):
+            model = model_with(values)
+            got = f(model)
+            want = nonfinite_params(model)
+            if isinstance(got, bool):
+                raise Mismatch(f"{what}: return the number of NaN/inf entries, not a bool")
+            n_nan = sum(1 for v in values.values() if v != v)
+            if got == n_nan != want:
+                raise Mismatch(f"{what}: you counted NaN but not inf (use torch.isfinite)")
+            expect(got, want, f"{what}: the count")
+        return run
+
+    inf, nan = float("inf"), float("nan")
+    return run_check("nonfinite_params", fn, nonfinite_params, [
+        ("a healthy model", case({}, "a healthy model")),
+        ("one NaN weight", case({"0.weight": nan}, "one NaN")),
+        ("NaN and inf in different layers",
+         case({"0.weight": nan, "1.bias": inf, "1.weight": -inf}, "NaN and +-inf")),
+    ])
+
+
+PARAM_FAULTS = {"nan-params": float("nan"), "inf-params": float("inf")}
+
+
+FAULTS = (*PARAM_FAULTS, "nan-grads")
+
+
+# --- drivers -----------------------------------------------------------------------------------
+def _health_run(seed: int, snapshot_every: int) -> steps.Run:
+    """The fixture with SGD with momentum (a per-parameter state, like AdamW's m and v) and
+    the snapshot of step 0 in run.snapshot, as Trainer takes it when it starts."""
+    run = fixture_run(seed, snapshot_every=snapshot_every)
+    run.optimizer = torch.optim.SGD(run.policy.parameters(), lr=run.cfg.learning_rate,
+                                    momentum=0.9)
+    run.snapshot = Snapshot(run.policy, run.optimizer, 0)
+    return run
+
+
+def _fresh_gradients(run: steps.Run, g: torch.Generator) -> None:
+    for p in run.policy.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 0.05
+
+
+def _poison(run: steps.Run, fault: str) -> None:
+    with torch.no_grad():
+        next(run.policy.parameters()).view(-1)[0] = PARAM_FAULTS[fault]
+
+
+def _check_fault(fault: str) -> None:
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {', '.join(FAULTS)} (got {fault!r})")
+
+
+def drive_health_check(fn, seed: int = 0, fault: str = "nan-params", at: int = 3,
+                       n_steps: int = 4, snapshot_every: int = 1) -> dict:
+    """n_steps fake steps: fresh random gradients (for 'nan-grads' one NaN entry at step
+    `at`), steps.apply_update (clipping spreads a NaN to every gradient, SGD into every weight
+    and its momentum), a NaN / inf written into a weight after the update of step `at` for
+    'nan-params' / 'inf-params', then `fn(run)`, the health check; then one clean update."""
+    _check_fault(fault)
+    run = _health_run(seed, snapshot_every)
+    g = gen(3000 + seed)
+    returns = []
+    for step in range(1, n_steps + 1):
+        _fresh_gradients(run, g)
+        if fault == "nan-grads" and step == at:
+            next(run.policy.parameters()).grad.view(-1)[0] = float("nan")
+        steps.apply_update(run)
+        if fault in PARAM_FAULTS and step == at:
+            _poison(run, fault)
+        returns.append(fn(run))
+        run.step_count += 1  # what the step does after update_fn returns
+    _fresh_gradients(run, g)
+    steps.apply_update(run)  # the optimizer state the check left behind acts here
+    return {"params": flat_params(run.policy), "returns": returns}
+
+
+def drive_healthy_update(fn, seed: int = 0, fault: str = "nan-params", at: int = 3,
+                         n_steps: int = 4, snapshot_every: int = 1) -> dict:
+    """The fake steps of drive_health_check with `fn(run, update_fn=...)` as the update:
+    the update_fn it gets is steps.apply_update with the fault put in at step `at` (a NaN
+    gradient entry before it, or a NaN / inf weight after it). run.rolled_back is reset
+    before each call and read after it."""
+    _check_fault(fault)
+    run = _health_run(seed, snapshot_every)
+    g = gen(3000 + seed)
+
+    def update(r):
+        if fault == "nan-grads" and r.step_count == at - 1:
+            next(r.policy.parameters()).grad.view(-1)[0] = float("nan")
+        out = steps.apply_update(r)
+        if fault in PARAM_FAULTS and r.step_count == at - 1:
+            _poison(r, fault)
+        return out
+
+    outs, flags = [], []
+    for _ in range(n_steps):
+        _fresh_gradients(run, g)
+        run.rolled_back = None
+        outs.append(fn(run, update_fn=update))
+        flags.append(getattr(run, "rolled_back", None))
+        run.step_count += 1
+    return {"params": flat_params(run.policy), "outs": outs, "flags": flags}
+
+
+def _health_check(run, *, snapshot_first=False, count=nonfinite_params, weights_only=False,
+                  snapshot=True, due_every_step=False, due_one_step_off=False) -> int:
+    """The reference health check with switches: each known mistake is one switch turned."""
+    step = run.step_count + 1
+    due = step % run.cfg.snapshot_every == 0
+    if snapshot_first:
+        if due:
+            run.snapshot = Snapshot(run.policy, run.optimizer, step)
+        if count(run.policy):
+            run.snapshot.restore(run.policy, run.optimizer)
+            return 1
+        return 0
+    if count(run.policy):
+        if weights_only:
+            run.policy.load_state_dict(run.snapshot.model_state)
+        else:
+            run.snapshot.restore(run.policy, run.optimizer)
+        return 1
+    if not snapshot:
+        return 0
+    if due_every_step:
+        due = True
+    elif due_one_step_off:
+        due = run.step_count % run.cfg.snapshot_every == 0
+    if due:
+        run.snapshot = Snapshot(run.policy, run.optimizer, step)
+    return 0
+
+
+def _nan_count(model) -> int:
+    return sum(int(torch.isnan(p).sum()) for p in model.parameters())
+
+
+def _health_with(**switches) -> Callable:
+    return functools.partial(_health_check, **switches)
+
+
+HEALTH_CHECK_MISTAKES = (
+    Mistake("snapshot_before_check", _health_with(snapshot_first=True),
+            "the snapshot is taken before the parameters are checked: on a step that is due "
+            "for one, the bad weights become the snapshot, and the rollback restores them. "
+            "Check first; keep a snapshot only of a healthy step"),
+    Mistake("model_only", _health_with(weights_only=True),
+            "only the weights are restored, not the optimizer state: the optimizer's running "
+            "averages (momentum here, AdamW's m and v) still hold what the bad step put in "
+            "them (NaN after a NaN gradient), and the next update writes it back into the "
+            "weights. `run.snapshot.restore(run.policy, run.optimizer)` restores both"),
+    Mistake("never_snapshot", _health_with(snapshot=False),
+            "no new snapshot is ever taken: every rollback goes back to the snapshot of step "
+            "0 and throws away every healthy step since. Keep `Snapshot(run.policy, "
+            "run.optimizer, step)` in run.snapshot every cfg.snapshot_every healthy steps"),
+    Mistake("nan_only", _health_with(count=_nan_count),
+            "only NaN is counted, not +-inf: `torch.isnan` misses inf, which poisons the next "
+            "forward as surely as NaN. Count `~torch.isfinite(p)` (your nonfinite_params)"),
+    Mistake("snapshot_every_ignored", _health_with(due_every_step=True),
+            "a snapshot is kept after every healthy step, ignoring cfg.snapshot_every (each "
+            "one copies every weight and the optimizer state): keep one only when the step is "
+            "a multiple of cfg.snapshot_every"),
+    Mistake("snapshot_on_wrong_step", _health_with(due_one_step_off=True),
+            "the snapshot is taken one step off: the health check runs inside update_fn, "
+            "before your step counts itself, so the step it finishes is run.step_count + 1; a "
+            "snapshot is due when (run.step_count + 1) % cfg.snapshot_every == 0"),
+)
+
+
+def check_health_check(fn: Callable) -> CheckResult:
+    ref = hardening.health_check
+
+    def vector(out: dict) -> torch.Tensor | None:
+        if not isinstance(out.get("params"), torch.Tensor):
+            return None
+        return torch.cat([out["params"].double(),
+                          torch.tensor([number(r) for r in out["returns"]], dtype=torch.double)])
+
+    def case(**params):
+        def run(f):
+            out, want = drive(f, drive_health_check, **params), drive_health_check(ref, **params)
+
+            def returns():
+                if same(out["params"], want["params"]):
+                    raise Mismatch("return 1 for the step you rolled back and 0 for every "
+                                   f"other: yours returned {out['returns']}, expected "
+                                   f"{want['returns']}")
+            compare_all(vector(out), vector(want), "the parameters after the steps (and what "
+                         "your check returned)", HEALTH_CHECK_MISTAKES,
+                        lambda m: vector(drive_health_check(m, **params)), returns)
+        return run
+
+    return run_check("health_check", fn, ref, [
+        ("a NaN written into a weight after the update of step 3 of 4, a snapshot every step",
+         case(seed=0, fault="nan-params", at=3, n_steps=4, snapshot_every=1)),
+        ("an inf written into a weight at step 3 of 4",
+         case(seed=1, fault="inf-params", at=3, n_steps=4, snapshot_every=1)),
+        ("a NaN gradient entry at step 7 of 8, a snapshot every 4 steps: clipping spreads it "
+         "to every weight and into the optimizer's momentum",
+         case(seed=2, fault="nan-grads", at=7, n_steps=8, snapshot_every=4)),
+    ])
+
+
+# healthy_update's known mistakes: each is an update of (run, update_fn)
+def _check_before_update(run, update_fn=steps.apply_update):
+    rolled = hardening.health_check(run)
+    out = update_fn(run)
+    run.rolled_back = rolled
+    return out
+
+
+def _no_health_check(run, update_fn=steps.apply_update):
+    out = update_fn(run)
+    run.rolled_back = 0
+    return out
+
+
+def _rollback_not_recorded(run, update_fn=steps.apply_update):
+    out = update_fn(run)
+    hardening.health_check(run)
+    return out
+
+
+def _rollback_as_skipped(run, update_fn=steps.apply_update):
+    grad_norm, skipped = update_fn(run)
+    run.rolled_back = hardening.health_check(run)
+    return grad_norm, max(skipped, run.rolled_back)
+
+
+def _own_update(run, update_fn=steps.apply_update):
+    out = steps.apply_update(run)
+    run.rolled_back = hardening.health_check(run)
+    return out
+
+
+HEALTHY_UPDATE_MISTAKES = (
+    Mistake("check_before_update", _check_before_update,
+            "the health check runs before the update: it sees the weights of the step before, "
+            "so a NaN this update writes is found a step late, after the next step's sampler "
+            "has drawn from it (and crashed). Call `update_fn(run)` first, then "
+            "`health_check(run)`"),
+    Mistake("no_health_check", _no_health_check,
+            "the health check never runs: call `health_check(run)` after `update_fn(run)`"),
+    Mistake("rollback_not_recorded", _rollback_not_recorded,
+            "the rollback is not recorded: set `run.rolled_back` to what `health_check(run)` "
+            "returned (1 or 0) on every call, so the run's metrics can count it"),
+    Mistake("rollback_as_skipped", _rollback_as_skipped,
+            "a rollback is reported as a skipped update: return update_fn's (grad_norm, "
+            "skipped) as it is. The update was not skipped (it reached the weights), and the "
+            "rollback undoes every step since the snapshot; it goes in run.rolled_back"),
+    Mistake("own_update", _own_update,
+            "your healthy_update runs an update of its own instead of the `update_fn` it is "
+            "given: call `update_fn(run)`, so that whatever update the step passes in (your "
+            "apply_update, your guarded_update) is the one checked"),
+)
+
+
+def check_healthy_update(fn: Callable) -> CheckResult:
+    ref = hardening.healthy_update
+
+    def vector(out: dict) -> torch.Tensor | None:
+        outs = out.get("outs") or []
+        if not isinstance(out.get("params"), torch.Tensor):
+            return None
+        skipped = [number(o[1]) if isinstance(o, tuple) and len(o) == 2 else -2.0 for o in outs]
+        return torch.cat([out["params"].double(), torch.tensor(
+            [number(f) for f in out["flags"]] + skipped, dtype=torch.double)])
+
+    def case(**params):
+        def run(f):
+            try:
+                out = drive(f, drive_healthy_update, **params)
+            except TypeError as e:
+                if "update_fn" in str(e) or "argument" in str(e):
+                    raise Mismatch("your step calls it as healthy_update(run, update_fn=...): "
+                                   f"take the update to run as `update_fn` ({e})") from None
+                raise
+            want = drive_healthy_update(ref, **params)
+            bad = [o for o in out["outs"] if not (isinstance(o, tuple) and len(o) == 2)]
+            if bad:
+                raise Mismatch("return (grad_norm, skipped), a tuple of two, as update_fn "
+                               f"does; got {bad[0]!r}")
+            def flags():
+                if not same(out["params"], want["params"]):
+                    return
+                got = [number(x) for x in out["flags"]]
+                if got != [number(x) for x in want["flags"]]:
+                    raise Mismatch(f"run.rolled_back after each step was {out['flags']}, "
+                                   f"expected {want['flags']} (set it on every call: 1 when "
+                                   "health_check rolled back, else 0)")
+                raise Mismatch(f"return update_fn's skipped as it is: yours returned "
+                               f"{[o[1] for o in out['outs']]}, expected "
+                               f"{[o[1] for o in want['outs']]}")
+            compare_all(vector(out), vector(want), "the parameters after the steps (with "
+                         "run.rolled_back and the skipped flags)", HEALTHY_UPDATE_MISTAKES,
+                        lambda m: vector(drive_healthy_update(m, **params)), flags)
+            got = [number(o[0]) for o in out["outs"]]
+            expected = [number(o[0]) for o in want["outs"]]
+            if not torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=1e-5,
+                                  equal_nan=True):
+                raise Mismatch(f"return update_fn's grad_norm as it is: yours returned {got}, "
+                               f"expected {expected}")
+        return run
+
+    return run_check("healthy_update", fn, ref, [
+        ("a NaN written into a weight by the update of step 3 of 4, a snapshot every step",
+         case(seed=0, fault="nan-params", at=3, n_steps=4, snapshot_every=1)),
+        ("a NaN gradient entry at step 2 of 3, a snapshot every 2 steps",
+         case(seed=1, fault="nan-grads", at=2, n_steps=3, snapshot_every=2)),
+    ])
+
+
+# --- the notebook's exercises, in its order -------------------------------------------------
+EXERCISES = (
+    Exercise('nonfinite_params', nonfinite_params, check_nonfinite_params),
+    Exercise('health_check', hardening.health_check, check_health_check,
+             driver=drive_health_check, mistakes=HEALTH_CHECK_MISTAKES),
+    Exercise('healthy_update', hardening.healthy_update, check_healthy_update,
+             driver=drive_healthy_update, mistakes=HEALTHY_UPDATE_MISTAKES),
+)

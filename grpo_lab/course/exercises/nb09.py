@@ -1,0 +1,315 @@
+"""Notebook 09, fix the kl formula: the checks of its exercises, and each exercise as
+data in `EXERCISES`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ... import naive, objective
+from ...objective import exact_kl, kl_k2
+from .. import steps
+from .base import (
+    CheckResult,
+    Exercise,
+    Mismatch,
+    Mistake,
+    as_float,
+    close,
+    expect,
+    gen,
+    kind_of,
+    run_check,
+    same_value,
+)
+from .fixtures import check_loss, drive_loss
+from .nb04 import with_kl
+
+
+def check_exact_kl(fn: Callable) -> CheckResult:
+    ref = objective.exact_kl
+
+    def same_kl(logits, ref_logits, what):
+        def case(f):
+            got = f(logits.clone(), ref_logits.clone())
+            want, swapped = ref(logits, ref_logits), ref(ref_logits, logits)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                if not torch.isfinite(got).all() and torch.isfinite(want).all():
+                    raise Mismatch(f"{what}: your KL is not finite; normalise with log_softmax, "
+                                   "not log(softmax) or exp() of the raw logits")
+                if close(got, swapped) and not close(got, want):
+                    raise Mismatch(f"{what}: you computed KL(q || p); the expectation is over "
+                                   "the policy p = softmax(logits)")
+            expect(got, want, f"{what}: the KL")
+        return case
+
+    g = gen(0)
+    a, b = torch.randn(3, 4, 7, generator=g), torch.randn(3, 4, 7, generator=g)
+    return run_check("exact_kl", fn, ref, [
+        ("random (3, 4, 7) logits", same_kl(a, b, "random logits")),
+        ("a single distribution of shape (V,)", same_kl(a[0, 0], b[0, 0], "shape (7,)")),
+        ("identical logits give 0", same_kl(a, a, "identical logits")),
+        ("logits shifted by a constant are the same distribution",
+         same_kl(a, a + 5.0, "shifted")),
+        ("logits of size 1000", same_kl(a * 1000, b * 1000, "huge logits")),
+    ])
+
+
+def check_kl_k2(fn: Callable) -> CheckResult:
+    ref = objective.kl_k2
+
+    def same_k2(logp, ref_logp, what):
+        def case(f):
+            got = f(logp.clone(), ref_logp.clone())
+            want = ref(logp, ref_logp)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and close(
+                got, 2 * want
+            ) and not close(want, torch.zeros_like(want)):
+                raise Mismatch(f"{what}: yours is twice k2; k2 = (log r)^2 / 2")
+            expect(got, want, f"{what}: k2")
+        return case
+
+    g = gen(1)
+    logp, ref_logp = -torch.rand(4, 5, generator=g) * 3, -torch.rand(4, 5, generator=g) * 3
+    return run_check("kl_k2", fn, ref, [
+        ("random log-probs", same_k2(logp, ref_logp, "random log-probs")),
+        ("identical policies give 0", same_k2(logp, logp, "identical policies")),
+    ])
+
+
+# report003_loss's known mistakes: each is a loss of (logp, old_logp, ref_logp, advantages,
+# weights, cfg)
+def _k3_kept(logp, old_logp, ref_logp, advantages, weights, cfg):
+    return steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+
+
+def _one_sided_clamp_missing(logp, old_logp, ref_logp, advantages, weights, cfg):
+    kl = (ref_logp - logp).clamp(-10, 10)
+    return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
+
+
+def _delta_reversed(logp, old_logp, ref_logp, advantages, weights, cfg):
+    kl = (logp - ref_logp).clamp(-10, 10).clamp(0, 10)
+    return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
+
+
+REPORT003_LOSS_MISTAKES = (
+    Mistake("k3_kept", _k3_kept,
+            "this is k3, the formula report 003 removed: write the report's replacement, "
+            "`delta = (ref_logp - logp).clamp(-10, 10); kl = delta.clamp(0, 10)`"),
+    Mistake("one_sided_clamp_missing", _one_sided_clamp_missing,
+            "the second clamp is missing: the report's kl is `delta.clamp(0, 10)`, which "
+            "drops every token where the policy gives more probability than the reference"),
+    Mistake("delta_reversed", _delta_reversed,
+            "delta is reversed: the report's delta is `ref - cur`, ref_logp - logp"),
+)
+
+
+def check_report003_loss(fn: Callable) -> CheckResult:
+    return check_loss("report003_loss", fn, steps.report003_loss, [
+        ("beta 0.3", dict(seed=0, beta=0.3)),
+        ("beta 1.0, loss_type dapo", dict(seed=1, beta=1.0, loss_type="dapo")),
+    ], REPORT003_LOSS_MISTAKES)
+
+
+def reference_estimator_expected_gradient(estimator: Callable, logits: torch.Tensor,
+                                          ref_logits: torch.Tensor) -> torch.Tensor:
+    """(V,) logits (a leaf with requires_grad=True), (V,) fixed ref_logits -> (V,)
+    E_{x ~ p}[d estimator(log p(x), log q(x)) / d logits], exactly, by enumeration:
+    sum_x p(x).detach() * gradient of the estimator at x. The sample is not differentiated
+    (no score-function term): that is what a per-token loss on sampled tokens does."""
+    theta = logits if logits.requires_grad else logits.detach().requires_grad_(True)
+    logp = theta.log_softmax(-1)
+    ref_logp = ref_logits.detach().log_softmax(-1)
+    loss = (logp.exp().detach() * estimator(logp, ref_logp)).sum()
+    (grad,) = torch.autograd.grad(loss, theta)
+    return grad
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(True)
+
+
+def _grad_left(leaf: torch.Tensor, what: str) -> None:
+    if leaf.grad is not None:
+        raise Mismatch(f"{what}: your function left a gradient in logits.grad (a .backward() on "
+                       "the caller's tensor): the caller's next backward() would add to it. "
+                       "Use torch.autograd.grad(loss, logits), or work on a detached copy")
+
+
+def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
+    ref = reference_estimator_expected_gradient
+    g = gen(16)
+    pairs = [(torch.randn(8, generator=g), torch.randn(8, generator=g)) for _ in range(2)]
+    peaked = (torch.randn(5, generator=g) * 3, torch.randn(5, generator=g))
+
+    def wrong(est, logits, ref_logits):
+        theta = _leaf(logits)
+        logp, logq = theta.log_softmax(-1), ref_logits.log_softmax(-1)
+        (full,) = torch.autograd.grad((logp.exp() * est(logp, logq)).sum(), theta)
+        theta = _leaf(logits)
+        logp = theta.log_softmax(-1)
+        (uniform,) = torch.autograd.grad(est(logp, logq).mean(), theta)
+        theta = _leaf(logits)
+        (raw,) = torch.autograd.grad((theta.softmax(-1).detach() * est(theta, ref_logits)).sum(),
+                                     theta)
+        return full, uniform, raw
+
+    def case(est, name, logits, ref_logits):
+        def run(f):
+            what = f"{name}, V={logits.numel()}"
+            leaf = _leaf(logits)
+            got = f(est, leaf, ref_logits.clone())
+            _grad_left(leaf, what)
+            value = got.detach() if isinstance(got, torch.Tensor) else got
+            want = ref(est, logits, ref_logits)
+            full, uniform, raw = wrong(est, logits, ref_logits)
+            if same_value(value, full) and not close(full, want):
+                raise Mismatch(f"{what}: you differentiated the weights p(x) too (the full "
+                               "gradient of sum_x p(x) k(x)); the sample comes from p and a "
+                               "loss on it does not move p: weight by p.detach()")
+            if same_value(value, uniform) and not close(uniform, want):
+                raise Mismatch(f"{what}: you averaged over the vocabulary; weight each token's "
+                               "gradient by p(x), its probability under the policy")
+            if same_value(value, raw) and not close(raw, want):
+                raise Mismatch(f"{what}: pass the estimator log-probabilities, log_softmax of "
+                               "the logits, not the raw logits")
+            expect(value, want, f"{what}: the expected gradient")
+        return run
+
+    a = pairs[0][0]
+    cases = [(f"{n} on random logits, V=8", case(e, n, *pairs[0]))
+             for n, e in (("k1", objective.kl_k1), ("k2", objective.kl_k2),
+                          ("k3", objective.kl_k3))]
+    return run_check("estimator_expected_gradient", fn, ref, cases + [
+        ("k3 on another pair", case(objective.kl_k3, "k3", *pairs[1])),
+        ("k2 on a peaked policy, V=5", case(objective.kl_k2, "k2", *peaked)),
+        ("report 003's clamp as the estimator", case(naive.report003_kl, "report 003's clamp",
+                                                     *pairs[1])),
+        ("identical distributions: k3's expected gradient is 0",
+         case(objective.kl_k3, "k3 with p = q", a, a.clone())),
+    ])
+
+
+def reference_kl_gradients(logits: torch.Tensor,
+                           ref_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V,) logits (a leaf with requires_grad=True), (V,) fixed ref_logits -> the (V,)
+    gradients with respect to the logits of KL(p || q) and of KL(q || p), exactly;
+    p = softmax(logits), q = softmax(ref_logits). With p the policy, KL(p || q) is the
+    reverse KL and KL(q || p) the forward KL, as the RL literature names them. In closed
+    form: p * (log p - log q - KL(p || q)) and p - q."""
+    theta = logits if logits.requires_grad else logits.detach().requires_grad_(True)
+    logp = theta.log_softmax(-1)
+    logq = ref_logits.detach().log_softmax(-1)
+    reverse = (logp.exp() * (logp - logq)).sum()  # KL(p || q)
+    forward = (logq.exp() * (logq - logp)).sum()  # KL(q || p)
+    (g_reverse,) = torch.autograd.grad(reverse, theta, retain_graph=True)
+    (g_forward,) = torch.autograd.grad(forward, theta)
+    return g_reverse, g_forward
+
+
+def check_kl_gradients(fn: Callable) -> CheckResult:
+    ref = reference_kl_gradients
+    g = gen(17)
+    a, b = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    c, d = torch.randn(3, generator=g) * 4, torch.randn(3, generator=g)
+
+    def case(logits, ref_logits, what):
+        def run(f):
+            leaf = _leaf(logits)
+            got = f(leaf, ref_logits.clone())
+            _grad_left(leaf, what)
+            if not (isinstance(got, (tuple, list)) and len(got) == 2):
+                raise Mismatch(f"{what}: return (grad of KL(p || q), grad of KL(q || p)), a pair "
+                               f"of (V,) tensors (you returned {kind_of(got)[:60]})")
+            got = [x.detach() if isinstance(x, torch.Tensor) else x for x in got]
+            want = ref(logits, ref_logits)
+            if same_value(got[0], want[1]) and same_value(got[1], want[0]) and not close(*want):
+                raise Mismatch(f"{what}: you returned them swapped: first the gradient of "
+                               "KL(p || q) (the policy's own expectation), then KL(q || p)")
+            logp, logq = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+            if same_value(got[0], logp - logq + 1) or same_value(got[1], -(logq - logp).exp()):
+                raise Mismatch(f"{what}: that is the gradient with respect to the probabilities "
+                               "p; the logits go through softmax first (autograd through "
+                               "log_softmax, or the chain rule)")
+            expect(got[0], want[0], f"{what}: the gradient of KL(p || q)")
+            expect(got[1], want[1], f"{what}: the gradient of KL(q || p)")
+        return run
+
+    return run_check("kl_gradients", fn, ref, [
+        ("random logits, V=8", case(a, b, "random logits, V=8")),
+        ("the pair the other way round", case(b, a, "swapped pair, V=8")),
+        ("a peaked policy, V=3", case(c, d, "peaked, V=3")),
+        ("identical distributions: both gradients are 0", case(a, a + 2.0, "p = q")),
+    ])
+
+
+def reference_adaptive_beta(beta: float, kl: float, target_kl: float, horizon: float,
+                            n_steps: int = 1) -> float:
+    """The adaptive KL controller of Ziegler et al. 2019 (TRL's old PPOTrainer,
+    AdaptiveKLController.update): error = clip(kl / target - 1, -0.2, 0.2);
+    beta * (1 + error * n_steps / horizon), the new coefficient."""
+    error = min(max(kl / target_kl - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * n_steps / horizon)
+
+
+def check_adaptive_beta(fn: Callable) -> CheckResult:
+    ref = reference_adaptive_beta
+
+    def case(beta, kl, target, horizon, n_steps=None):
+        def run(f):
+            args = (beta, kl, target, horizon) + (() if n_steps is None else (n_steps,))
+            n = 1 if n_steps is None else n_steps
+            what = (f"beta={beta}, kl={kl}, target_kl={target}, horizon={horizon}, "
+                    f"n_steps={n_steps if n_steps is not None else '1 (the default)'}")
+            got = as_float(f(*args))
+            want = ref(*args)
+            raw = kl / target - 1.0
+            if isinstance(got, float) and not math.isclose(got, want, rel_tol=1e-6):
+                if raw != max(min(raw, 0.2), -0.2) and math.isclose(
+                        got, beta * (1 + raw * n / horizon), rel_tol=1e-6):
+                    raise Mismatch(f"{what}: unclipped error: kl / target - 1 = {raw:.3g} must "
+                                   "be clipped to [-0.2, 0.2] first, so one odd KL reading "
+                                   "cannot swing beta")
+                if math.isclose(got, ref(beta, target - (kl - target), target, horizon, n),
+                                rel_tol=1e-6):
+                    raise Mismatch(f"{what}: beta moves the wrong way; it must rise while the KL "
+                                   "is above target (a stronger pull back) and fall below it")
+                if math.isclose(got, ref(beta, kl, target, horizon, 1), rel_tol=1e-6):
+                    raise Mismatch(f"{what}: n_steps is ignored; the step is error * n_steps / "
+                                   "horizon")
+                if math.isclose(got, beta + min(max(raw, -0.2), 0.2) * n / horizon,
+                                rel_tol=1e-6):
+                    raise Mismatch(f"{what}: the update is multiplicative: beta * (1 + error * "
+                                   "n_steps / horizon), not beta + ...")
+            if not isinstance(got, float):
+                raise Mismatch(f"{what}: return the new beta as a number (you returned "
+                               f"{kind_of(got)[:60]})")
+            if not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
+                raise Mismatch(f"{what}: yours is {got:.8g}, expected {want:.8g}")
+        return run
+
+    return run_check("adaptive_beta", fn, ref, [
+        ("KL 10% above target", case(0.1, 0.11, 0.1, 10_000, 1)),
+        ("KL below target", case(0.1, 0.09, 0.1, 100, 4)),
+        ("KL five times the target: the error is clipped to 0.2", case(0.1, 0.5, 0.1, 10_000, 256)),
+        ("KL = 0: the error is clipped to -0.2", case(0.05, 0.0, 0.1, 1_000, 64)),
+        ("KL on target: beta unchanged", case(0.2, 6.0, 6.0, 10_000, 256)),
+        ("n_steps defaults to 1", case(0.2, 7.0, 6.0, 50)),
+        ("TRL's old defaults (beta 0.2, target 6, horizon 10000, 256 rows), KL 12",
+         case(0.2, 12.0, 6.0, 10_000, 256)),
+    ])
+
+
+# --- the notebook's exercises, in its order -------------------------------------------------
+EXERCISES = (
+    Exercise('exact_kl', exact_kl, check_exact_kl),
+    Exercise('kl_k2', kl_k2, check_kl_k2),
+    Exercise('report003_loss', steps.report003_loss, check_report003_loss,
+             driver=drive_loss, mistakes=REPORT003_LOSS_MISTAKES),
+    Exercise('estimator_expected_gradient', reference_estimator_expected_gradient, check_estimator_expected_gradient),
+    Exercise('kl_gradients', reference_kl_gradients, check_kl_gradients),
+    Exercise('adaptive_beta', reference_adaptive_beta, check_adaptive_beta),
+)

@@ -1,0 +1,155 @@
+"""Notebook 10, fix safe sampling: the checks of its exercises, and each exercise as
+data in `EXERCISES`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...field.variants import SAMPLING_CRASH
+from ...sampling import (
+    completion_mask_from_ids,
+)
+from .. import steps
+from .base import CheckResult, Exercise, Mismatch, expect, gen, run_check
+from .fixtures import drive, drive_sample
+
+
+def check_sanitize_logits(fn: Callable) -> CheckResult:
+    ref = steps.sanitize_logits
+
+    def same(scores, what):
+        def case(f):
+            expect(f(scores.clone()), ref(scores), what)
+        return case
+
+    def refuses(scores, what):
+        def case(f):
+            try:
+                f(scores.clone())
+            except ValueError:
+                return
+            raise Mismatch(f"{what}: no ValueError; a row of NaN cannot be sampled from")
+        return case
+
+    nan, inf = float("nan"), float("inf")
+    return run_check("sanitize_logits", fn, ref, [
+        ("finite logits pass unchanged", same(torch.randn(3, 6, generator=gen(0)), "finite")),
+        ("NaN becomes -inf",
+         same(torch.tensor([[1.0, nan, 0.5, nan], [0.0, 1.0, 2.0, 3.0]]), "logits with NaN")),
+        ("+inf becomes the largest float32", same(torch.tensor([[2.0, inf, -1.0]]), "+inf")),
+        ("float16: +inf becomes float16's largest",
+         same(torch.tensor([[inf, 0.0, 1.0]], dtype=torch.float16), "float16 logits")),
+        ("a row of NaN must raise ValueError",
+         refuses(torch.tensor([[0.0, 1.0, 2.0], [nan, nan, nan]]), "a row of NaN")),
+    ])
+
+
+def check_completion_mask_from_ids(fn: Callable) -> CheckResult:
+
+    def same_mask(ids, eos, what):
+        def case(f):
+            got = f(ids.clone(), eos)
+            want = completion_mask_from_ids(ids, eos)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                first = (ids == eos) & (want == 1)
+                if (got[first] == 0).any():
+                    raise Mismatch(f"{what}: your mask drops the first EOS; keep it (the model "
+                                   "must learn to stop)")
+            expect(got, want, f"{what}: the mask for ids {ids.tolist()}")
+        return case
+
+    return run_check("completion_mask_from_ids", fn, completion_mask_from_ids, [
+        ("no EOS: every token counts", same_mask(torch.tensor([[5, 6, 7], [8, 9, 10]]), 0,
+                                                 "no EOS")),
+        ("EOS kept, padding after it dropped",
+         same_mask(torch.tensor([[5, 6, 0, 1, 1], [7, 0, 1, 1, 1], [0, 1, 1, 1, 1]]), 0,
+                   "EOS then pad")),
+        ("a later EOS does not count again",
+         same_mask(torch.tensor([[5, 0, 0, 0], [0, 5, 0, 5]]), 0, "repeated EOS")),
+        ("another EOS id (GPT-2's 50256)",
+         same_mask(torch.tensor([[464, 50256, 50256], [464, 318, 50256]]), 50256, "eos 50256")),
+    ])
+
+
+def reference_completion_mask_any_eos(completion_ids: torch.Tensor,
+                                      eos_token_ids: list[int]) -> torch.Tensor:
+    """(B, C) ids -> (B, C) long: 1 up to and including the first token that is any of
+    eos_token_ids, 0 after it (sampling.completion_mask_from_ids for several end ids)."""
+    ends = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    return (ends.long().cumsum(-1) - ends.long() == 0).long()
+
+
+def check_completion_mask_any_eos(fn: Callable) -> CheckResult:
+    ref = reference_completion_mask_any_eos
+    ids = torch.tensor([[3, 4, 0, 1, 1], [5, 9, 6, 1, 1], [0, 1, 1, 1, 1], [2, 3, 4, 5, 6],
+                        [9, 0, 9, 0, 1]])
+
+    def case(stop, what):
+        def run(f):
+            got = f(ids.clone(), list(stop))
+            if isinstance(got, torch.Tensor) and got.dtype == torch.bool:
+                got = got.long()
+            expect(got, ref(ids, list(stop)), what)
+        return run
+
+    return run_check("completion_mask_any_eos", fn, ref, [
+        ("one end id", case([0], "the mask with end id 0")),
+        ("two end ids, a row ending at each, one at neither",
+         case([0, 9], "the mask with end ids 0 and 9 (a row ends at the FIRST of any)")),
+    ])
+
+
+MULTINOMIAL = SAMPLING_CRASH  # the start of torch.multinomial's message on NaN weights
+
+
+def check_safe_sample(fn: Callable) -> CheckResult:
+    ref = steps.safe_sample
+
+    def healthy(seed):
+        def run(f):
+            out, want = drive(f, drive_sample, seed=seed), drive_sample(ref, seed)
+            if "error" in out:
+                raise Mismatch(f"a healthy model: your sampler raised {out['error']}")
+            if out["ids"] is None:
+                raise Mismatch("return sample_group's Rollout (it has .completion_ids)")
+            expect(out["ids"], want["ids"], "the sampled completion ids (same seed: the "
+                    "same draws as sample_group)")
+        return run
+
+    def nan_params(f):
+        out = drive(f, drive_sample, fault="nan-params")
+        if "error" not in out:
+            raise Mismatch("a model whose parameters are NaN sampled without an error: it "
+                           "cannot have produced anything but garbage")
+        if MULTINOMIAL in out["error"]:
+            raise Mismatch("the NaN logits reached torch.multinomial (on CUDA: a device-side "
+                           "assert that kills the process): sanitise them first, "
+                           "sample_group(..., sanitize=sanitize_logits)")
+
+    def new_pad(f):
+        out = drive(f, drive_sample, fault="new-pad")
+        if "error" not in out:
+            raise Mismatch("a pad token with no embedding row was sampled with: check the "
+                           "prompt ids against model.get_input_embeddings().num_embeddings")
+        if "index out of range" in out["error"] or "IndexError" in out["error"]:
+            raise Mismatch("the bad pad id reached the embedding (IndexError on CPU, a "
+                           "device-side assert on CUDA): check the ids before the forward, "
+                           "and name the id and the table's size in the error")
+
+    return run_check("safe_sample", fn, ref, [
+        ("a healthy model, seed 0", healthy(0)), ("a healthy model, seed 1", healthy(1)),
+        ("NaN parameters (report 000)", nan_params),
+        ("a new pad token the embedding lacks (report 002)", new_pad),
+    ])
+
+
+# --- the notebook's exercises, in its order -------------------------------------------------
+EXERCISES = (
+    Exercise('sanitize_logits', steps.sanitize_logits, check_sanitize_logits),
+    Exercise('completion_mask_from_ids', completion_mask_from_ids, check_completion_mask_from_ids),
+    Exercise('completion_mask_any_eos', reference_completion_mask_any_eos, check_completion_mask_any_eos),
+    Exercise('safe_sample', steps.safe_sample, check_safe_sample,
+             driver=drive_sample),
+)
