@@ -1,11 +1,11 @@
-"""Every known mistake of the whole-step checkers, put into the reference and checked: the
+"""Every known mistake of the exercises, put into the reference and checked: the
 table of exercise x mistake, whether the checker caught it, and the message it gave.
 
     python benchmarks/mistakes.py            # Markdown table on stdout; exit 1 if one slipped
 
-Each checker module that keeps a catalog has `CHECKERS` (exercise -> checker) and `MISTAKES`
-(exercise -> (mistake -> message, make_mutant)); `grpo_lab.course.labs.CHECKER_MODULES`
-lists the modules. (tests/test_steps.py asserts the same for every row.)
+Every exercise of `grpo_lab.course.exercises.registry()` lists its known mistakes, each a
+`Mistake(name, wrong, message)`: `wrong` goes to the exercise's check as the learner's
+function. (tests/test_exercises.py asserts the same for every row.)
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ import io
 import sys
 import time
 
-from grpo_lab.course.labs import CHECKER_MODULES
+from grpo_lab.course import exercises
 
 
 def rows():
-    for module in CHECKER_MODULES:
-        for exercise, (catalog, make) in getattr(module, "MISTAKES", {}).items():
-            checker = module.CHECKERS[exercise]
-            for mistake, message in catalog.items():
-                with contextlib.redirect_stdout(io.StringIO()):
-                    result = checker(make(mistake))
-                named = result.status == "failed" and message in result.reason
-                yield exercise, mistake, named, result.reason
+    for exercise in exercises.registry().values():
+        for mistake in exercise.mistakes:
+            with contextlib.redirect_stdout(io.StringIO()):
+                result = exercise.check(mistake.wrong)
+            named = result.status == "failed" and mistake.message in result.reason
+            yield exercise.name, mistake.name, named, result.reason
 
 
 def main() -> int:

@@ -83,6 +83,30 @@ def test_a_driver_no_exercise_declares_is_not_run_by_the_grader():
     assert exercises.driver("os", "system") is None
 
 
+def test_no_exercise_cell_may_reach_the_exercises_modules():
+    """The exercises' modules hold every reference and every known mistake's function (one
+    of them, with its switches off, is the correct accumulation loop): the grader neither
+    lists them as allowed imports nor puts them in an exercise cell's prelude, and a cell
+    that imports them is flagged."""
+    from grpo_lab.course import grade, integrity
+
+    specs = {e["function"]: e for nb in labs.load_manifest()["notebooks"].values()
+             for e in nb["exercises"]}
+    for name, spec in specs.items():
+        assert not [f for f in spec["may_use"] if f.startswith(exercises.__name__)], name
+        assert not [f for s in spec["setup"] for f in s["full"]
+                    if f.startswith(exercises.__name__)], name
+    spec = specs["accumulated_grpo_step"]
+    body = ("def accumulated_grpo_step(run, problems, loss_fn, update_fn, sample_fn=None):\n"
+            "    step = exercises.find('accumulated_grpo_step').mistakes[0].wrong.func\n"
+            "    return step(run, problems, loss_fn, update_fn)\n")
+    assert "exercises" not in grade.prelude(spec, body, set(spec["forbidden"]))
+    problems = integrity.violations("from grpo_lab.course import exercises\n" + body,
+                                    "accumulated_grpo_step", set(spec["forbidden"]),
+                                    set(spec["may_use"]))
+    assert any("grpo_lab.course" in p.reason for p in problems), problems
+
+
 # --- a toy exercise, added as docs/contributing.md says ------------------------------------------
 def _doc_blocks() -> dict[str, str]:
     """The code blocks of docs/contributing.md's "Add an exercise", by their marker."""

@@ -195,6 +195,7 @@ def exercises_of(nb) -> list[str]:
 
 MANIFEST_VERSION = 4  # 3: each exercise has an idea (hint 1) besides its hint; 4: diagnoses
 SETUP_ROOTS = ("grpo_lab",)
+EXERCISE_MODULES = exercises.__name__  # no exercise cell may import from these
 
 
 def _nbformat():
@@ -326,7 +327,10 @@ def exercise_specs(nb) -> list[dict]:
         reference = _reference_of(name)
         module, ref_name = reference.rsplit(".", 1)
         forbidden = sorted({name, checker, ref_name})
-        setup = [s for i, c in cells if i < index for s in _setup_imports(c.source)]
+        # the setup imports an exercise cell may lean on; never the exercises' own modules
+        # (the checkers, every reference and every known mistake's function live there)
+        setup = [s for i, c in cells if i < index for s in _setup_imports(c.source)
+                 if not any(f.startswith(EXERCISE_MODULES) for f in s["full"])]
         # names the cell may use besides its imports: functions loaded from earlier
         # notebooks and this notebook's earlier exercises; the grader binds them to their
         # references (each is graded on its own)

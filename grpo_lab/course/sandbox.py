@@ -659,7 +659,7 @@ class RemoteFunction:
         return _replace(value, mapping)
 
     def drive(self, module: str, driver: str, params: dict):
-        """Run a checker's driver (listed in its module's DRIVERS) on the student's function
+        """Run a driver an exercise declares (`exercises.driver`) on the student's function
         in the worker: the case it builds (a model, an optimizer) never crosses the pipe."""
         head, tensors = self.worker.request(("drive", self.name, module, driver, params))
         if "error" in head:

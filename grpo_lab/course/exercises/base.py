@@ -47,7 +47,7 @@ class Mismatch(Exception):
     """A case where the learner's function disagrees with the reference (message: why)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Mistake:
     """A known mistake of an exercise, as data."""
 
@@ -60,7 +60,7 @@ class Mistake:
     """What a learner whose result matches `wrong`'s reads: what is wrong and what to do."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Case:
     """One input an exercise's function is called on, beside the reference."""
 
@@ -70,7 +70,7 @@ class Case:
     kwargs: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Exercise:
     """One graded function of a notebook. `python -m grpo_lab labs` finds it by name:
     the solution notebook calls `check_<name>(...)` after defining `<name>`."""
@@ -100,7 +100,12 @@ class Exercise:
             object.__setattr__(self, "check", _case_checker(self))
 
     def mistake(self, name: str) -> Mistake:
-        return next(m for m in self.mistakes if m.name == name)
+        """The known mistake `name` of this exercise."""
+        for m in self.mistakes:
+            if m.name == name:
+                return m
+        raise KeyError(f"exercise {self.name!r} knows no mistake {name!r}; it knows "
+                       f"{[m.name for m in self.mistakes]}")
 
 
 def _case_checker(exercise: Exercise) -> Callable[[Callable], CheckResult]:
@@ -115,24 +120,75 @@ def _case_checker(exercise: Exercise) -> Callable[[Callable], CheckResult]:
 
 def check_cases(exercise: Exercise, fn: Callable) -> CheckResult:
     """Call `fn` and the reference on each case; where a result differs, name the known
-    mistake that gives it, else say where it differs (`expect`)."""
+    mistake that gives it, else say where it differs (`expect_result`)."""
+    tol = exercise.tolerance
+
     def case(c: Case):
         def run(f):
             got = f(*c.args, **c.kwargs)
             want = exercise.reference(*c.args, **c.kwargs)
-            if not close(got, want, **exercise.tolerance):
+            if not matches(got, want, **tol):
                 for m in exercise.mistakes:
                     try:
                         wrong = m.wrong(*c.args, **c.kwargs)
                     except Exception:  # noqa: BLE001 - a mistake that cannot run matches nothing
                         continue
-                    if close(got, wrong, **exercise.tolerance):
+                    if matches(got, wrong, **tol):
                         raise Mismatch(m.message)
-            expect(got, want, "your result", **exercise.tolerance)
+            expect_result(got, want, "your result", **tol)
         return run
 
     return run_check(exercise.name, fn, exercise.reference, [(c.label, case(c))
                                                              for c in exercise.cases])
+
+
+def expect_result(got, want, what: str, **tol) -> None:
+    """`got` must be `want` within `tol`, whatever the reference returns: a tensor, a
+    number (a one-element tensor for it is fine), a bool, or a tuple, list or dict of them
+    (checked entry by entry, the message naming the entry)."""
+    if isinstance(want, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            raise Mismatch(f"{what}: you returned {kind_of(got)}, expected "
+                           f"{type(want).__name__} of {len(want)}")
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            expect_result(g, w, f"{what}[{i}]", **tol)
+    elif isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            raise Mismatch(f"{what}: you returned {kind_of(got)}, expected a dict with keys "
+                           f"{sorted(want, key=str)}")
+        for k in want:
+            expect_result(got[k], want[k], f"{what}[{k!r}]", **tol)
+    elif isinstance(want, bool):
+        if isinstance(got, torch.Tensor) and got.numel() == 1 and got.dtype == torch.bool:
+            got = bool(got.item())
+        if not isinstance(got, bool) or got != want:
+            raise Mismatch(f"{what} is {fmt(got)}, expected {want}")
+    elif isinstance(want, (int, float)) or (isinstance(want, torch.Tensor) and want.dim() == 0
+                                           and isinstance(as_float(got), (int, float))):
+        g, w = as_float(got), float(as_float(want))
+        if isinstance(g, bool) or not isinstance(g, (int, float)):
+            raise Mismatch(f"{what}: you returned {kind_of(got)}, expected a number ({w:g})")
+        if not (math.isnan(g) and math.isnan(w)) and not math.isclose(
+                g, w, rel_tol=tol.get("rtol", 1e-4), abs_tol=tol.get("atol", 1e-5)):
+            raise Mismatch(f"{what} is wrong: yours is {g:.6g}, expected {w:.6g}")
+    elif isinstance(want, torch.Tensor):
+        expect(got, want, what, **tol)
+    else:
+        try:
+            same = bool(got == want)
+        except Exception:  # noqa: BLE001 - a value that cannot be compared is not the reference's
+            same = False
+        if not same:
+            raise Mismatch(f"{what} is {fmt(got)}, expected {fmt(want)}")
+
+
+def matches(got, want, **tol) -> bool:
+    """Whether `expect_result` accepts `got` for `want`."""
+    try:
+        expect_result(got, want, "", **tol)
+    except Mismatch:
+        return False
+    return True
 
 
 def close(a, b, atol=1e-5, rtol=1e-4) -> bool:
