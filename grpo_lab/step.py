@@ -305,6 +305,19 @@ def accumulate(run: Run, batch: StepBatch, loss_fn: LossFn,
     return totals
 
 
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of all the gradients together, in float32 (clip_grad_norm_'s, what TRL logs)."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
+                                                 for g in grads]))
+
+
+def is_spike(grad_norm: float, recent, factor: float | None) -> bool:
+    """The spike rule: a finite grad norm above factor x the median of the recent norms, once
+    there are SPIKE_MIN_HISTORY of them (None: no rule)."""
+    return (factor is not None and math.isfinite(grad_norm)
+            and len(recent) >= SPIKE_MIN_HISTORY and grad_norm > factor * statistics.median(recent))
+
+
 def guarded_update(run: Run) -> tuple[float, int]:
     """The update after backward: the grad norm (before clipping: what TRL logs), the
     safety rules the config switches on (skip a non-finite or spiking update), clipping,
@@ -312,18 +325,13 @@ def guarded_update(run: Run) -> tuple[float, int]:
     cfg, params = run.cfg, list(run.policy.parameters())
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
-    grads = [p.grad for p in params if p.grad is not None]
-    grad_norm = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+    grad_norm = global_grad_norm([p.grad for p in params if p.grad is not None]).item()
     run.last_grad_norm = grad_norm
     finite = math.isfinite(grad_norm)
     if not finite and run.first_bad_grad is None:
         run.first_bad_grad = f"step {run.step_count + 1}: {first_nonfinite_grad(run.policy)}"
-    skip = cfg.skip_nonfinite_grad and not finite
-    if (cfg.spike_skip_factor is not None and finite
-            and len(run.recent_grad_norms) >= SPIKE_MIN_HISTORY
-            and grad_norm > cfg.spike_skip_factor * statistics.median(run.recent_grad_norms)):
-        skip = True
+    skip = (cfg.skip_nonfinite_grad and not finite) or is_spike(
+        grad_norm, run.recent_grad_norms, cfg.spike_skip_factor)
     if finite:
         # skipped norms count too, so a lasting shift in scale is absorbed within a window
         # instead of freezing training behind a stale median

@@ -237,7 +237,7 @@ def test_clip_reference_is_torchs_clip_grad_norm():
 
 
 def test_skip_reference_agrees_with_the_trainer():
-    """reference_should_skip is the rule Trainer._update applies with skip_nonfinite_grad
+    """steps.should_skip is the rule step.guarded_update applies with skip_nonfinite_grad
     and spike_skip_factor: a 1e4x loss spike after 6 steps is skipped, ordinary steps not."""
     from grpo_lab.config import preset
     from grpo_lab.trainer import Trainer

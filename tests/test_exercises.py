@@ -5,6 +5,7 @@ docs/contributing.md, word for word, on a copy of the course works end to end.""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -27,8 +28,7 @@ def test_each_notebook_module_holds_its_notebooks_exercises_in_order():
     for notebook, spec in manifest.items():
         if not spec["exercises"]:
             continue
-        module = __import__(f"grpo_lab.course.exercises.nb{notebook[:2]}",
-                            fromlist=["EXERCISES"])
+        module = importlib.import_module(f"grpo_lab.course.exercises.nb{notebook[:2]}")
         assert [e.name for e in module.EXERCISES] == [e["function"] for e in spec["exercises"]]
     assert sorted(REGISTRY) == sorted(e["function"] for spec in manifest.values()
                                       for e in spec["exercises"])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import statistics
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -49,7 +48,7 @@ from ..objective import (
     token_weights,
 )
 from ..sampling import SamplingError, SanitizeLogits, decode_loop, encode_prompts, sample_group
-from ..step import SPIKE_MIN_HISTORY, Run
+from ..step import Run, global_grad_norm, is_spike
 from ..tasks import Problem, addition_reward
 from ..trainer import StepError, Trainer, check_step_result, diagnosis  # noqa: F401
 
@@ -165,18 +164,16 @@ def clip_grad_norm(grads: list[torch.Tensor],
                    max_norm: float) -> tuple[list[torch.Tensor], float]:
     """torch.nn.utils.clip_grad_norm_ as a function of the gradients: (clipped copies, the
     global norm before clipping). A NaN norm makes the scale NaN, as in torch."""
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm = global_grad_norm(grads)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return [g * scale.to(g.dtype) for g in grads], float(norm)
 
 
 def should_skip(grad_norm: float, recent, factor: float) -> bool:
     """The trainer's skip rule (step.guarded_update with skip_nonfinite_grad and
-    spike_skip_factor): skip a non-finite norm; skip a finite one above factor x the median of
-    the recent norms, once there are SPIKE_MIN_HISTORY of them."""
-    if not math.isfinite(grad_norm):
-        return True
-    return len(recent) >= SPIKE_MIN_HISTORY and grad_norm > factor * statistics.median(recent)
+    spike_skip_factor): skip a non-finite norm, and a spike (step.is_spike: above factor x
+    the median of the recent norms, once there are SPIKE_MIN_HISTORY of them)."""
+    return not math.isfinite(grad_norm) or is_spike(grad_norm, recent, factor)
 
 
 def guarded_update(run: Run) -> tuple[float, int]:

@@ -91,7 +91,7 @@ class Exercise:
     """For a whole-step exercise: the function that builds its case around the learner's
     function and returns what the check compares (it runs in the grader's sandbox)."""
     tolerance: dict = field(default_factory=lambda: dict(atol=1e-5, rtol=1e-4))
-    """How close to the reference's a built checker's results must be (torch.allclose)."""
+    """How close to the reference's a built checker's results must be (atol, rtol)."""
 
     def __post_init__(self):
         if self.check is None:
@@ -114,7 +114,6 @@ def _case_checker(exercise: Exercise) -> Callable[[Callable], CheckResult]:
     check.__name__ = check.__qualname__ = f"check_{exercise.name}"
     check.__doc__ = f"Check your `{exercise.name}` against the reference on " \
         f"{len(exercise.cases)} cases."
-    check.reference = exercise.reference
     return check
 
 

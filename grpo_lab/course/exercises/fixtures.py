@@ -207,6 +207,18 @@ def drive(fn, driver: Callable, **params) -> dict:
     return driver(fn, **params)
 
 
+def drive_a_step(fn, driver: Callable, name: str, **params) -> dict:
+    """`drive` for a whole step: a step called with arguments it does not take is told how
+    the trainer calls it, `name(run, problems, loss_fn=..., update_fn=...)`."""
+    try:
+        return drive(fn, driver, **params)
+    except TypeError as e:
+        if "loss_fn" in str(e) or "update_fn" in str(e) or "argument" in str(e):
+            raise Mismatch(f"call it as {name}(run, problems, loss_fn=..., "
+                           f"update_fn=...): {e}") from None
+        raise
+
+
 # --- the check of a loss ------------------------------------------------------------------------
 def no_advantage_gradient(out: dict) -> None:
     if out.get("advantages_get_gradient"):

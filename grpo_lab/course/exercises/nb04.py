@@ -38,6 +38,7 @@ from .fixtures import (
     check_loss,
     check_step_contract,
     drive,
+    drive_a_step,
     drive_logprobs,
     drive_loss,
     drive_step,
@@ -423,13 +424,7 @@ def check_grpo_step(fn: Callable) -> CheckResult:
 
     def case(seed, **overrides):
         def run(f):
-            try:
-                out = drive(f, drive_step, seed=seed, **overrides)
-            except TypeError as e:
-                if "loss_fn" in str(e) or "update_fn" in str(e) or "argument" in str(e):
-                    raise Mismatch("call it as grpo_step(run, problems, loss_fn=..., "
-                                   f"update_fn=...): {e}") from None
-                raise
+            out = drive_a_step(f, drive_step, "grpo_step", seed=seed, **overrides)
             check_step_contract(out)
             want = drive_step(ref, seed, **overrides)
             compare(out["update"], want["update"], "the update your step made",

@@ -3,8 +3,8 @@ data in `EXERCISES`."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -174,32 +174,28 @@ def _nan_count(model) -> int:
     return sum(int(torch.isnan(p).sum()) for p in model.parameters())
 
 
-def _health_with(**switches) -> Callable:
-    return functools.partial(_health_check, **switches)
-
-
 HEALTH_CHECK_MISTAKES = (
-    Mistake("snapshot_before_check", _health_with(snapshot_first=True),
+    Mistake("snapshot_before_check", partial(_health_check, snapshot_first=True),
             "the snapshot is taken before the parameters are checked: on a step that is due "
             "for one, the bad weights become the snapshot, and the rollback restores them. "
             "Check first; keep a snapshot only of a healthy step"),
-    Mistake("model_only", _health_with(weights_only=True),
+    Mistake("model_only", partial(_health_check, weights_only=True),
             "only the weights are restored, not the optimizer state: the optimizer's running "
             "averages (momentum here, AdamW's m and v) still hold what the bad step put in "
             "them (NaN after a NaN gradient), and the next update writes it back into the "
             "weights. `run.snapshot.restore(run.policy, run.optimizer)` restores both"),
-    Mistake("never_snapshot", _health_with(snapshot=False),
+    Mistake("never_snapshot", partial(_health_check, snapshot=False),
             "no new snapshot is ever taken: every rollback goes back to the snapshot of step "
             "0 and throws away every healthy step since. Keep `Snapshot(run.policy, "
             "run.optimizer, step)` in run.snapshot every cfg.snapshot_every healthy steps"),
-    Mistake("nan_only", _health_with(count=_nan_count),
+    Mistake("nan_only", partial(_health_check, count=_nan_count),
             "only NaN is counted, not +-inf: `torch.isnan` misses inf, which poisons the next "
             "forward as surely as NaN. Count `~torch.isfinite(p)` (your nonfinite_params)"),
-    Mistake("snapshot_every_ignored", _health_with(due_every_step=True),
+    Mistake("snapshot_every_ignored", partial(_health_check, due_every_step=True),
             "a snapshot is kept after every healthy step, ignoring cfg.snapshot_every (each "
             "one copies every weight and the optimizer state): keep one only when the step is "
             "a multiple of cfg.snapshot_every"),
-    Mistake("snapshot_on_wrong_step", _health_with(due_one_step_off=True),
+    Mistake("snapshot_on_wrong_step", partial(_health_check, due_one_step_off=True),
             "the snapshot is taken one step off: the health check runs inside update_fn, "
             "before your step counts itself, so the step it finishes is run.step_count + 1; a "
             "snapshot is due when (run.step_count + 1) % cfg.snapshot_every == 0"),

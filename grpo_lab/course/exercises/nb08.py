@@ -3,8 +3,8 @@ data in `EXERCISES`."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -19,7 +19,14 @@ from ...step import micro_batch_slices
 from ...tasks import ProblemStream
 from .. import hardening, steps
 from .base import CheckResult, Exercise, Mismatch, Mistake, compare_all, expect, run_check
-from .fixtures import check_step_contract, drive, drive_step, fixture_cfg, fixture_run, flat_params
+from .fixtures import (
+    check_step_contract,
+    drive_a_step,
+    drive_step,
+    fixture_cfg,
+    fixture_run,
+    flat_params,
+)
 
 
 def check_micro_batch_slices(fn: Callable) -> CheckResult:
@@ -127,44 +134,40 @@ def _accumulated(run, problems, loss_fn, update_fn=steps.apply_update, sample_fn
     return {}
 
 
-def _accumulated_with(**switches) -> Callable:
-    return functools.partial(_accumulated, **switches)
-
-
 ACCUMULATED_GRPO_STEP_MISTAKES = (
-    Mistake("zero_grad_inside", _accumulated_with(clear_inside=True),
+    Mistake("zero_grad_inside", partial(_accumulated, clear_inside=True),
             "only the last micro-batch's gradient reaches the update: "
             "`run.optimizer.zero_grad()` runs inside the micro-batch loop and clears what the "
             "earlier micro-batches added. Clear the gradients once, before the loop (report "
             "003)"),
-    Mistake("copy_instead_of_add", _accumulated_with(copy_grads=True),
+    Mistake("copy_instead_of_add", partial(_accumulated, copy_grads=True),
             "each micro-batch's gradient is written over the one before (`p.grad.copy_(g)` "
             "or `p.grad = g`) instead of added to it (`p.grad.add_(g)`; `backward()` adds "
             "into .grad by itself), which also leaves only the last micro-batch's (report "
             "003)"),
-    Mistake("step_inside_loop", _accumulated_with(clear_inside=True, step_inside=True),
+    Mistake("step_inside_loop", partial(_accumulated, clear_inside=True, step_inside=True),
             "the update runs inside the micro-batch loop: one update per micro-batch, each "
             "from that micro-batch's gradient alone, instead of one update from the whole "
             "batch's. Call `update_fn(run)` once, after the loop (report 003)"),
-    Mistake("step_inside_loop_accumulating", _accumulated_with(step_inside=True),
+    Mistake("step_inside_loop_accumulating", partial(_accumulated, step_inside=True),
             "the update runs inside the micro-batch loop, without clearing the gradients in "
             "between: every update steps with the gradient summed so far, so the first "
             "micro-batch's gradient is applied k times. Call `update_fn(run)` once, after the "
             "loop"),
     Mistake("per_micro_batch_normalisation",
-            _accumulated_with(weights_per_micro_batch=True, divide_by_k=True),
+            partial(_accumulated, weights_per_micro_batch=True, divide_by_k=True),
             "each micro-batch's token weights come from that micro-batch's mask alone "
             "(`token_weights(mask[rows], ...)`) and the loss is divided by k: a micro-batch "
             "with fewer rows (grpo, dr_grpo) or fewer tokens (bnpo, dapo) then weighs more "
             "than it does in the whole batch. Compute the weights once, on the whole batch's "
             "mask, and give each micro-batch its rows of them: `weights[rows]`"),
-    Mistake("micro_batch_weights", _accumulated_with(weights_per_micro_batch=True),
+    Mistake("micro_batch_weights", partial(_accumulated, weights_per_micro_batch=True),
             "each micro-batch's token weights come from that micro-batch's mask alone "
             "(`token_weights(mask[rows], ...)`), so each micro-batch's loss is normalised as if "
             "it were the whole batch, and the k losses sum to about k times the batch's loss, "
             "weighted differently. Compute the weights once, on the whole batch's mask, and "
             "give each micro-batch its rows of them: `weights[rows]`"),
-    Mistake("no_zero_grad", _accumulated_with(clear_before=False),
+    Mistake("no_zero_grad", partial(_accumulated, clear_before=False),
             "your step never clears the gradients before the micro-batch loop: the gradients "
             "left in .grad by the last step are added to this one's"),
 )
@@ -175,13 +178,7 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
 
     def case(seed, **overrides):
         def run(f):
-            try:
-                out = drive(f, drive_accumulated, seed=seed, **overrides)
-            except TypeError as e:
-                if "loss_fn" in str(e) or "update_fn" in str(e) or "argument" in str(e):
-                    raise Mismatch("call it as accumulated_grpo_step(run, problems, loss_fn=..., "
-                                   f"update_fn=...): {e}") from None
-                raise
+            out = drive_a_step(f, drive_accumulated, "accumulated_grpo_step", seed=seed, **overrides)
             check_step_contract(out)
             want = drive_step(ref, seed, **overrides)
             k = overrides["grad_accum_steps"]
