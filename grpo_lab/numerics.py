@@ -54,16 +54,33 @@ def as_accurate_bound(plain_error: float, scale: float) -> float:
     output in another order or blocking, so their errors are of one size; the factor leaves
     room for the spread of a maximum over many entries. A computation that is wrong (a
     misaligned position, a missing temperature, another prompt's cache) is off by the
-    values' own size, far beyond it.
-
-    The same bound serves where no float64 truth is at hand, between two runs: with
-    `plain_error` the difference a pair of correct runs that round in another order shows
-    (notebook 11: `Trainer(cfg)` against `Trainer(cfg, fast=False)`, 20 steps), it is how far
-    a third correct run may be from either. Measured there (tiny model, one CPU): a
-    `grpo_loss` that writes the ratio as exp(logp) / exp(old_logp) and k3 from the ratio of
-    the probabilities came within 1.4 times the pair's difference on every metric; the known
-    mistakes that change the update were 1e3 to 1e5 times beyond it."""
+    values' own size, far beyond it."""
     return AS_ACCURATE * plain_error + AS_ACCURATE * UNIT_ROUNDOFF * scale
+
+
+TRAJECTORY = 100.0  # see trajectory_bound
+
+
+def trajectory_bound(pair_gap: float, scale: float) -> float:
+    """How far a correct training run may be from a reference run, in a parameter or a
+    metric after some steps, given `pair_gap`: how far apart a pair of correct runs is that
+    differ only in the order they round in (notebook 11: `Trainer(cfg)` against
+    `Trainer(cfg, fast=False)`; notebook 08: the package's step whole against in
+    micro-batches). TRAJECTORY times that gap, plus AS_ACCURATE u of `scale` (the value's
+    size) for where the pair happens to agree exactly.
+
+    Why a wider factor than as_accurate_bound's: a rounding difference changes the next
+    step's log-probabilities, and AdamW grows it step by step by an amount that depends on
+    which weights it lands on, so two rounding differences of one size end up far apart.
+    Measured on the course's runs, under five CPU kernel settings (.ci/kernels): a grpo_loss
+    written in another float order against notebook 11's pair (tests/test_steps.py's 6
+    steps and the notebook's 20) came out 0.17 to 4.3 times the pair's gap on loss, kl and
+    grad_norm; notebook 08's micro-batch loop run in reverse order, up to 10 times the
+    package pair's (grad_norm, ATEN_CPU_CAPABILITY=avx2). The factor is 10 times the largest
+    ratio seen. The known mistakes of grpo_loss that change the run were 1e4 to 1e5 times
+    the pair's gap or more (where a sampled token changed, the reward moved by 1/64), so
+    they stay 100 times beyond it."""
+    return TRAJECTORY * pair_gap + AS_ACCURATE * UNIT_ROUNDOFF * scale
 
 
 def adamw_first_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
