@@ -17,7 +17,9 @@ Staging changes only what a static page needs:
   no output): the solution's answers are the key of the course's mystery runs.
 - Nothing else: a notebook's widget outputs (progress bars) show their stored final text,
   as _config.yml's nb_mime_priority_overrides says (a static page has no widget state).
-- With GRPO_LAB_REPO_URL set (https://github.com/OWNER/REPO), pages get a repository button.
+- With GRPO_LAB_REPO_URL set (https://github.com/OWNER/REPO; GRPO_LAB_REPO_BRANCH, default
+  main), pages get a repository button, and each notebook page a launch line below its title:
+  its lab opened in Colab, with the one line that installs the course's package there.
 
 Sphinx's warnings are errors (a page missing from the toc, a reference that does not
 resolve), so a broken site fails the build. It prints the build time and the page count.
@@ -40,6 +42,8 @@ ROOT = BOOK.parent
 MD_LINK = re.compile(r"(!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?)([^)\s>]+)(>?(?:\s+\"[^\"]*\")?\s*\))")
 TOC_FILE = re.compile(r"^\s*-?\s*(?:root|file):\s*(\S+)\s*$", re.M)
 COURSE_MAP_ROW = re.compile(r"^\| (\d\d) \| `(\d\d_\w+)` \|", re.M)
+GITHUB_REPO = re.compile(r"^https://github\.com/[\w.-]+/[\w.-]+$")
+COLAB = "https://colab.research.google.com/github"
 
 
 def toc_pages() -> list[str]:
@@ -140,6 +144,10 @@ class Stager:
         if source.suffix == ".ipynb":
             notebook = json.loads(source.read_text())
             notebook["metadata"].pop("widgets", None)
+            launch = launch_cell(ROOT / "labs" / source.name) if source.parent == ROOT / "solutions" \
+                else None
+            if launch is not None:
+                notebook["cells"].insert(1, launch)  # below the title cell
             for cell in notebook["cells"]:
                 if cell["cell_type"] == "code" and "### BEGIN DIAGNOSIS" in "".join(cell["source"]):
                     from grpo_lab.course.labs import student_source
@@ -164,14 +172,41 @@ class Stager:
             shutil.copy2(path, dest)
 
 
+def repository() -> tuple[str, str] | None:
+    """(url, branch) of the course's public repository, from GRPO_LAB_REPO_URL and
+    GRPO_LAB_REPO_BRANCH (default main): the one place the site learns it; None when unset."""
+    url = os.environ.get("GRPO_LAB_REPO_URL", "").strip().removesuffix("/").removesuffix(".git")
+    if not url:
+        return None
+    return url, os.environ.get("GRPO_LAB_REPO_BRANCH", "").strip() or "main"
+
+
 def config_text() -> str:
     config = (BOOK / "_config.yml").read_text()
-    repo = os.environ.get("GRPO_LAB_REPO_URL", "").strip()
+    repo = repository()
     if repo:
+        url, branch = repo
         config = config.replace("use_repository_button: false", "use_repository_button: true")
-        branch = os.environ.get("GRPO_LAB_REPO_BRANCH", "main")
-        config += f"\nrepository:\n  url: {json.dumps(repo)}\n  branch: {json.dumps(branch)}\n"
+        config += f"\nrepository:\n  url: {json.dumps(url)}\n  branch: {json.dumps(branch)}\n"
     return config
+
+
+def launch_cell(lab: Path) -> dict | None:
+    """The markdown cell a notebook page gets below its title when the repository is public
+    on GitHub: the page's lab (labs/NN_name.ipynb) opened in Colab, and how to install the
+    course's package there. None without a GitHub repository or a lab."""
+    repo = repository()
+    if repo is None or not GITHUB_REPO.match(repo[0]) or not lab.is_file():
+        return None
+    url, branch = repo
+    rel = lab.relative_to(ROOT).as_posix()
+    text = (f"**Run it on a hosted notebook service:** [open `{rel}` in Colab]"
+            f"({COLAB}/{url.removeprefix('https://github.com/')}/blob/{branch}/{rel}). "
+            "Colab has torch but not the course's package: run "
+            f"`%pip install git+{url}@{branch}` in a cell above the first one, then restart "
+            "the session. Opened alone, a lab finds none of your earlier labs, so the ones "
+            "that reuse your functions (`load_yours`) say so and run the references instead.")
+    return {"cell_type": "markdown", "metadata": {}, "source": text}
 
 
 def build(out: Path) -> Path:
