@@ -193,3 +193,32 @@ def test_a_toy_exercise_added_from_the_docs(tmp_path):
         results["no_clamp"]
     assert results["manifest"] == "grpo_lab.course.exercises.nb02.reference_clipped_reward"
     assert "a reward below low becomes low" in results["hint"]
+
+
+def test_a_built_checker_holds_the_learner_to_the_references_refusals_and_hints(capsys):
+    """Where the reference raises on a case, the learner's function must raise the same kind
+    of error (returning a value or raising another kind fails, naming both); a case's hint
+    closes the message of a result no known mistake explains."""
+    from grpo_lab.course.exercises.base import Case, Exercise
+
+    def halve(n: int) -> int:
+        if n % 2:
+            raise ValueError(f"{n} is odd")
+        return n // 2
+
+    check = Exercise("halve", halve, cases=(
+        Case("an even number", (4,), hint="half of 4 is 2"),
+        Case("an odd number", (3,), hint="odd numbers have no half here"),
+    ), tolerance=dict(atol=0.0, rtol=0.0)).check
+
+    assert check(halve).passed
+    returned = check(lambda n: n // 2)
+    assert returned.status == "failed" and returned.reason == (
+        "an odd number: raise ValueError here, as the reference does (3 is odd); you returned "
+        "1; odd numbers have no half here")
+    other = check(lambda n: n // 2 if n % 2 == 0 else 1 / 0)
+    assert "yours raised ZeroDivisionError: division by zero" in other.reason
+    assert check(_stub).status == "not implemented"
+    wrong = check(lambda n: n)
+    assert wrong.reason == ("an even number: your result is wrong: yours is 4, expected 2; "
+                            "half of 4 is 2")

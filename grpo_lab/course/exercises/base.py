@@ -68,6 +68,9 @@ class Case:
     """What the learner reads when this case fails: "one group of four, all rewards equal"."""
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    hint: str = ""
+    """Added to the message when the learner's result differs here and matches no known
+    mistake: what this case is about ("k need not divide the rows")."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,9 +126,15 @@ def check_cases(exercise: Exercise, fn: Callable) -> CheckResult:
     tol = exercise.tolerance
 
     def case(c: Case):
+        hint = f"; {c.hint}" if c.hint else ""
+
         def run(f):
+            try:
+                want = exercise.reference(*c.args, **c.kwargs)
+            except Exception as refusal:  # noqa: BLE001 - the reference refuses this input
+                expect_refusal(f, c, refusal, hint)
+                return
             got = f(*c.args, **c.kwargs)
-            want = exercise.reference(*c.args, **c.kwargs)
             if not matches(got, want, **tol):
                 for m in exercise.mistakes:
                     try:
@@ -134,11 +143,31 @@ def check_cases(exercise: Exercise, fn: Callable) -> CheckResult:
                         continue
                     if matches(got, wrong, **tol):
                         raise Mismatch(m.message)
-            expect_result(got, want, "your result", **tol)
+            try:
+                expect_result(got, want, "your result", **tol)
+            except Mismatch as e:
+                raise Mismatch(f"{e}{hint}") from None
         return run
 
     return run_check(exercise.name, fn, exercise.reference, [(c.label, case(c))
                                                              for c in exercise.cases])
+
+
+def expect_refusal(fn: Callable, case: Case, refusal: Exception, hint: str = "") -> None:
+    """Where the reference raises, the learner's function must raise the same kind of error
+    (a stub's NotImplementedError still means "not implemented yet")."""
+    kind = type(refusal)
+    try:
+        got = fn(*case.args, **case.kwargs)
+    except NotImplementedError:
+        raise
+    except kind:
+        return
+    except Exception as e:  # noqa: BLE001 - another error than the reference's
+        raise Mismatch(f"raise {kind.__name__} here, as the reference does ({refusal}); "
+                       f"yours raised {type(e).__name__}: {e}{hint}") from None
+    raise Mismatch(f"raise {kind.__name__} here, as the reference does ({refusal}); you "
+                   f"returned {fmt(got)}{hint}")
 
 
 def expect_result(got, want, what: str, **tol) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 from .. import steps
-from .base import CheckResult, Exercise, Mismatch, run_check
+from .base import Case, CheckResult, Exercise, Mismatch, Mistake, run_check
 from .nb05 import history_row
 
 
@@ -18,40 +19,50 @@ def reference_accumulation_for_budget(rows: int, mib_per_row: float, budget_mib:
     return next(k for k in range(1, rows + 1) if math.ceil(rows / k) * mib_per_row <= budget_mib)
 
 
-def check_accumulation_for_budget(fn: Callable) -> CheckResult:
-    ref = reference_accumulation_for_budget
+def _first_k_that_fits(rows: int, mib_per_row: float, budget_mib: float, fits) -> int:
+    """reference_accumulation_for_budget's search with another test of "k fits": the
+    known mistakes below."""
+    if mib_per_row > budget_mib:
+        raise ValueError(f"one row needs {mib_per_row} MiB, more than the budget of "
+                         f"{budget_mib} MiB: no accumulation fits")
+    return next((k for k in range(1, rows + 1) if fits(rows, k, mib_per_row, budget_mib)), rows)
 
-    def same(rows, per_row, budget, hint=""):
-        def case(f):
-            got, want = f(rows, per_row, budget), ref(rows, per_row, budget)
-            if got != want:
-                raise Mismatch(f"{rows} rows at {per_row} MiB/row, budget {budget} MiB: you "
-                               f"returned {got!r}, expected {want}" + (f"; {hint}" if hint else ""))
-        return case
 
-    def refuses(f):
-        try:
-            got = f(8, 5.0, 4.0)
-        except ValueError:
-            return
-        raise Mismatch(f"one row needs 5 MiB and the budget is 4 MiB: raise ValueError (you "
-                       f"returned {got!r}; no number of micro-batches makes one row smaller)")
-
-    return run_check("accumulation_for_budget", fn, ref, [
-        ("everything fits at once", same(64, 1.0, 100.0, "k = 1 when the whole batch fits")),
-        ("an exact fit at the boundary", same(64, 1.0, 32.0,
-                                              "<= budget fits: 32 rows of 1 MiB fit in 32 MiB")),
-        ("the smallest k, not the first divisor", same(10, 1.0, 4.0,
-                                                      "k = 3 gives micro-batches of 4, 3 and 3 "
-                                                      "rows: k need not divide the rows")),
-        ("rows that do not divide evenly", same(10, 1.0, 3.0,
-                                                "the largest micro-batch has ceil(10 / k) rows: "
-                                                "k = 3 gives 4, 3 and 3 (too many), k = 4 gives "
-                                                "3, 3, 2 and 2")),
-        ("fractional MiB per row", same(512, 0.655, 100.0)),
-        ("a single row that fits exactly", same(7, 2.5, 2.5, "k = rows: one row each")),
-        ("one row too big", refuses),
-    ])
+ACCUMULATION_FOR_BUDGET = Exercise(
+    "accumulation_for_budget", reference_accumulation_for_budget,
+    cases=(
+        Case("64 rows at 1 MiB/row, budget 100 MiB: everything fits at once", (64, 1.0, 100.0),
+             hint="k = 1 when the whole batch fits"),
+        Case("64 rows at 1 MiB/row, budget 32 MiB: an exact fit at the boundary",
+             (64, 1.0, 32.0), hint="<= budget fits: 32 rows of 1 MiB fit in 32 MiB"),
+        Case("10 rows at 1 MiB/row, budget 4 MiB: the smallest k, not the first divisor",
+             (10, 1.0, 4.0),
+             hint="k = 3 gives micro-batches of 4, 3 and 3 rows: k need not divide the rows"),
+        Case("10 rows at 1 MiB/row, budget 3 MiB: rows that do not divide evenly",
+             (10, 1.0, 3.0), hint="the largest micro-batch has ceil(10 / k) rows: k = 3 gives "
+             "4, 3 and 3 (too many), k = 4 gives 3, 3, 2 and 2"),
+        Case("512 rows at 0.655 MiB/row, budget 100 MiB: fractional MiB per row",
+             (512, 0.655, 100.0)),
+        Case("7 rows at 2.5 MiB/row, budget 2.5 MiB: a single row that fits exactly",
+             (7, 2.5, 2.5), hint="k = rows: one row each"),
+        Case("8 rows at 5 MiB/row, budget 4 MiB: one row too big", (8, 5.0, 4.0),
+             hint="no number of micro-batches makes one row smaller"),
+    ),
+    mistakes=(
+        Mistake("floor_division", partial(_first_k_that_fits, fits=lambda n, k, m, b:
+                                          (n // k) * m <= b),
+                "you sized the largest micro-batch as rows // k; with rows that do not divide "
+                "evenly it holds one row more, ceil(rows / k) (math.ceil, or -(-rows // k))"),
+        Mistake("divisors_only", partial(_first_k_that_fits, fits=lambda n, k, m, b:
+                                         n % k == 0 and n // k * m <= b),
+                "you only tried k that divide the rows; the trainer's micro-batches may differ "
+                "by one row, so any k in 1..rows is allowed: 10 rows in k = 3 are 4, 3 and 3"),
+        Mistake("strict_budget", partial(_first_k_that_fits, fits=lambda n, k, m, b:
+                                         math.ceil(n / k) * m < b),
+                "a micro-batch that needs exactly the budget fits: compare with <=, not <"),
+    ),
+    tolerance=dict(atol=0.0, rtol=0.0))
+check_accumulation_for_budget = ACCUMULATION_FOR_BUDGET.check
 
 
 def check_compare_histories(fn: Callable) -> CheckResult:
@@ -88,5 +99,5 @@ def check_compare_histories(fn: Callable) -> CheckResult:
 # --- the notebook's exercises, in its order -------------------------------------------------
 EXERCISES = (
     Exercise('compare_histories', steps.compare_histories, check_compare_histories),
-    Exercise('accumulation_for_budget', reference_accumulation_for_budget, check_accumulation_for_budget),
+    ACCUMULATION_FOR_BUDGET,
 )
