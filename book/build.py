@@ -144,10 +144,11 @@ class Stager:
         if source.suffix == ".ipynb":
             notebook = json.loads(source.read_text())
             notebook["metadata"].pop("widgets", None)
-            launch = launch_cell(ROOT / "labs" / source.name) if source.parent == ROOT / "solutions" \
+            launch = launch_line(ROOT / "labs" / source.name) if source.parent == ROOT / "solutions" \
                 else None
-            if launch is not None:
-                notebook["cells"].insert(1, launch)  # below the title cell
+            if launch is not None:  # right below the page's title, the first line of its first cell
+                title, _, rest = "".join(notebook["cells"][0]["source"]).partition("\n")
+                notebook["cells"][0]["source"] = f"{title}\n\n{launch}\n{rest}"
             for cell in notebook["cells"]:
                 if cell["cell_type"] == "code" and "### BEGIN DIAGNOSIS" in "".join(cell["source"]):
                     from grpo_lab.course.labs import student_source
@@ -191,9 +192,9 @@ def config_text() -> str:
     return config
 
 
-def launch_cell(lab: Path) -> dict | None:
-    """The markdown cell a notebook page gets below its title when the repository is public
-    on GitHub: the page's lab (labs/NN_name.ipynb) opened in Colab, and how to install the
+def launch_line(lab: Path) -> str | None:
+    """The paragraph a notebook page gets below its title when the repository is public on
+    GitHub: the page's lab (labs/NN_name.ipynb) opened in Colab, and how to install the
     course's package there. None without a GitHub repository or a lab."""
     repo = repository()
     if repo is None or not GITHUB_REPO.match(repo[0]) or not lab.is_file():
@@ -206,7 +207,7 @@ def launch_cell(lab: Path) -> dict | None:
             f"`%pip install git+{url}@{branch}` in a cell above the first one, then restart "
             "the session. Opened alone, a lab finds none of your earlier labs, so the ones "
             "that reuse your functions (`load_yours`) say so and run the references instead.")
-    return {"cell_type": "markdown", "metadata": {}, "source": text}
+    return text
 
 
 def build(out: Path) -> Path:

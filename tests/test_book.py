@@ -36,9 +36,10 @@ def test_a_github_repository_gives_each_notebook_page_its_labs_launch_line(build
     name = "04_the_training_loop"
     cells = staged(build, tmp_path, name)
     original = json.loads((ROOT / "solutions" / f"{name}.ipynb").read_text())["cells"]
-    assert len(cells) == len(original) + 1
-    assert "".join(cells[0]["source"]) == "".join(original[0]["source"])  # the title stays first
-    launch = "".join(cells[1]["source"])
+    assert len(cells) == len(original)
+    title, launch, rest = "".join(cells[0]["source"]).split("\n\n", 2)
+    old_title, _, old_rest = "".join(original[0]["source"]).partition("\n")
+    assert title == old_title and rest == old_rest.lstrip("\n")  # the title, then the line
     assert ("https://colab.research.google.com/github/someone/grpo-lab/blob/spring/labs/"
             f"{name}.ipynb") in launch
     assert "%pip install git+https://github.com/someone/grpo-lab@spring" in launch
@@ -52,8 +53,10 @@ def test_without_a_repository_or_off_github_no_launch_line(build, tmp_path, monk
     name = "02_rewards_and_advantages"
     original = json.loads((ROOT / "solutions" / f"{name}.ipynb").read_text())["cells"]
     monkeypatch.delenv("GRPO_LAB_REPO_URL", raising=False)
-    assert len(staged(build, tmp_path / "none", name)) == len(original)
+    first = "".join(original[0]["source"])
+    assert "".join(staged(build, tmp_path / "none", name)[0]["source"]) == first
     assert "use_repository_button: false" in build.config_text()
     monkeypatch.setenv("GRPO_LAB_REPO_URL", "https://gitlab.example.org/course/grpo-lab")
-    assert len(staged(build, tmp_path / "gitlab", name)) == len(original)  # Colab reads GitHub
+    gitlab = staged(build, tmp_path / "gitlab", name)
+    assert "".join(gitlab[0]["source"]) == first  # Colab opens notebooks from GitHub
     assert "use_repository_button: true" in build.config_text()
