@@ -195,7 +195,7 @@ def test_a_toy_exercise_added_from_the_docs(tmp_path):
     assert "a reward below low becomes low" in results["hint"]
 
 
-def test_a_built_checker_holds_the_learner_to_the_references_refusals_and_hints(capsys):
+def test_a_built_checker_holds_the_learner_to_the_references_refusals_and_hints():
     """Where the reference raises on a case, the learner's function must raise the same kind
     of error (returning a value or raising another kind fails, naming both); a case's hint
     closes the message of a result no known mistake explains."""

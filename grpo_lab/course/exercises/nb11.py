@@ -12,20 +12,19 @@ from .base import Case, CheckResult, Exercise, Mismatch, Mistake, run_check
 from .nb05 import history_row
 
 
-def reference_accumulation_for_budget(rows: int, mib_per_row: float, budget_mib: float) -> int:
-    if mib_per_row > budget_mib:
-        raise ValueError(f"one row needs {mib_per_row} MiB, more than the budget of "
-                         f"{budget_mib} MiB: no accumulation fits")
-    return next(k for k in range(1, rows + 1) if math.ceil(rows / k) * mib_per_row <= budget_mib)
-
-
 def _first_k_that_fits(rows: int, mib_per_row: float, budget_mib: float, fits) -> int:
-    """reference_accumulation_for_budget's search with another test of "k fits": the
-    known mistakes below."""
+    """The smallest k in 1..rows for which fits(rows, k, mib_per_row, budget_mib) holds, or
+    rows; ValueError when one row is over the budget. The reference and, with another test
+    of "k fits", each known mistake below."""
     if mib_per_row > budget_mib:
         raise ValueError(f"one row needs {mib_per_row} MiB, more than the budget of "
                          f"{budget_mib} MiB: no accumulation fits")
     return next((k for k in range(1, rows + 1) if fits(rows, k, mib_per_row, budget_mib)), rows)
+
+
+def reference_accumulation_for_budget(rows: int, mib_per_row: float, budget_mib: float) -> int:
+    return _first_k_that_fits(rows, mib_per_row, budget_mib,
+                              fits=lambda n, k, m, b: math.ceil(n / k) * m <= b)
 
 
 ACCUMULATION_FOR_BUDGET = Exercise(
