@@ -97,7 +97,7 @@ def test_notebook_11_compares_within_what_rounding_alone_does():
     assert other_order["grad_norm"] > 0  # it does round differently from the package
     assert all(other_order[k] <= allowed[k] for k in keys), (other_order, allowed)
     no_kl = gaps(lambda *args: _loss_in_another_float_order(*args[:-1], cfg.replace(beta=0.0)))
-    assert no_kl["kl"] > allowed["kl"], (no_kl, allowed)  # 12x beyond it here
+    assert no_kl["kl"] > allowed["kl"], (no_kl, allowed)  # about 4x beyond it here (3.6e-4)
 
 
 def test_the_learners_step_in_trainers_loop_checkpoints_and_resumes_exactly(tmp_path):
