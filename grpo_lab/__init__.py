@@ -9,7 +9,8 @@ Layers, each importing only from the ones below it (tests/test_layers.py):
   switches on), sampling (a group per prompt, log-probs), policy (what a profile trains,
   warm start), health (checks, snapshots, rollback), distributed (DDP), trainer (the loop),
   memo (a test run computes each deterministic result once);
-- tools/: bench, memory, warmstart (build-model), parser (the CLI's one-line errors);
+- tools/: bench (and turns, its timing of sides that take turns), memory, warmstart
+  (build-model), parser (the CLI's one-line errors);
 - field/: the field failures: bugs (broken code beside the right one), catalog (the
   scenarios' texts, without torch), scenarios, faults, reliability, variants (runs of one
   config, to compare fixes);

@@ -1,14 +1,17 @@
 """The grpo_lab-vs-TRL benchmark's smoke mode: both sides train, the figures come out in
 the promised format. No timing is asserted (the figures are printed, not tested)."""
 
+import itertools
 import json
 import math
+import os
 import re
 import statistics
+import sys
 
 import pytest
 
-from grpo_lab.tools import bench
+from grpo_lab.tools import bench, turns
 
 NUMBER = r"[-+]?\d+\.\d+"
 
@@ -76,3 +79,47 @@ def test_model_flops_count_the_step_s_passes(tiny):
 ])
 def test_the_gpu_peak_is_the_longest_name_that_matches(name, peak):
     assert bench.known_peak(name)[0] == peak
+
+
+FAKE_SIDE = """
+import json, sys, time
+from grpo_lab.tools.turns import RESULT, Progress
+side, steps, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+progress = Progress(side, steps)
+for step in range(steps):
+    progress.begin()
+    start = time.monotonic()
+    time.sleep(0.2)
+    with open(log, "a") as f:
+        f.write(json.dumps([side, step, start, time.monotonic()]) + "\\n")
+    if side == "c" and step == 2:
+        sys.exit(3)
+    progress.step_done(0.0, 1.0)
+print(RESULT + json.dumps(progress.figures()))
+"""
+
+
+def test_sides_take_turns_one_step_each_and_a_failed_side_is_named(tmp_path):
+    """The benchmark's sides run one step at a time, in turn, each timing only its own
+    steps; a side that dies is the one the error names, and the others end with it."""
+    log = tmp_path / "steps.jsonl"
+    commands = {side: [sys.executable, "-c", FAKE_SIDE, side, "4", str(log)]
+                for side in ("a", "b")}
+    results = turns.run_in_turns(commands, 4, dict(os.environ))
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(side, step) for side, step, *_ in steps] == \
+        [(side, step) for step in range(4) for side in ("a", "b")]
+    for before, after in itertools.pairwise(steps):
+        assert before[3] <= after[2], (before, after)  # never two steps at once
+    for side in ("a", "b"):
+        # each step sleeps 0.2 s and waits 0.2 s for the other side's turn: a clock that
+        # counted the wait would read about 0.4 s; the bound leaves 0.2 s for scheduling
+        assert len(results[side]["times"]) == 4
+        assert all(0.2 <= t < 0.4 for t in results[side]["times"]), results[side]["times"]
+
+    log.unlink()
+    commands = {side: [sys.executable, "-c", FAKE_SIDE, side, "5", str(log)]
+                for side in ("a", "b", "c")}
+    with pytest.raises(RuntimeError, match=r"the c side failed with exit code 3"):
+        turns.run_in_turns(commands, 5, dict(os.environ))
+    assert len(log.read_text().splitlines()) == 3 * 3  # a, b, c took three turns each

@@ -10,9 +10,12 @@ the same order (grpo_lab's seeded ProblemStream, handed to TRL as an unshuffled 
 score them with the same reward (`tasks.addition_reward`, in TRL's signature; the TRL side
 works out `truncated` from the completion ids TRL passes) and
 use the same G, completion cap, temperature, learning rate, beta and grad clipping. Each
-side runs in its own subprocess, one after the other (alternating per seed, so drifting
-machine load hits both alike), so its peak memory is its own and the two never compete
-for the CPU. Accuracy is measured identically on both: greedy `sampling.greedy_accuracy`
+side runs in its own subprocess, so its peak memory is its own, and the two take turns step
+by step (`Turns`): grpo_lab's step k, then TRL's step k, then grpo_lab's step k + 1, never
+both at once. A shared machine's speed drifts by tens of percent over seconds to minutes
+(150-step runs of one side, one after the other, measured 0.36 to 0.61 for the same
+code); taking turns every step puts both sides under the same spells, so their ratio holds
+where each side's own time does not. Accuracy is measured identically on both: greedy `sampling.greedy_accuracy`
 on `tasks.eval_problems(256)`, averaged over the seeds, since one run's accuracy after
 150 steps moves by several points from seed to seed.
 
@@ -32,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,11 +49,10 @@ from ..tasks import ProblemStream, addition_reward, eval_problems
 from ..trainer import Trainer
 from .memory import maxrss_mib
 from .parser import Parser, UsageError
+from .turns import RESULT, Progress, run_in_turns
 
-RESULT = "BENCH_RESULT "  # prefix of the one JSON line a side prints on stdout
 SIDES = ("grpo_lab", "TRL")
 EVAL_SIZE = 256
-PROGRESS_EVERY = 10  # steps between progress lines
 # dense float32 peaks (TFLOP/s, no tensor-core TF32: both sides train in float32 at torch's
 # default matmul precision), by a substring of torch.cuda.get_device_name(), the longest that
 # matches ("L40S" before "L4"); NVIDIA data sheets, SXM unless named
@@ -147,39 +148,6 @@ def known_peak(device_name: str) -> tuple[float | None, str]:
 
 
 # ---- the two sides, each in its own process ------------------------------------------------
-class Progress:
-    """Per-step wall and CPU seconds, rewards, and a progress line on stderr every
-    PROGRESS_EVERY steps. CPU time (this process, all threads) is the steadier figure on a
-    machine shared with other jobs: it does not count the time others hold the core."""
-
-    def __init__(self, side: str, total: int):
-        self.side, self.total = side, total
-        self.times, self.cpu_times, self.rewards, self.tokens = [], [], [], []
-        self.start = time.perf_counter()
-        self.last_wall, self.last_cpu = None, None
-
-    def begin(self) -> None:
-        self.last_wall, self.last_cpu = time.perf_counter(), time.process_time()
-
-    def step_done(self, reward: float, completion_tokens: float) -> None:
-        wall, cpu = time.perf_counter(), time.process_time()
-        self.tokens.append(completion_tokens)
-        self.times.append(wall - self.last_wall)
-        self.cpu_times.append(cpu - self.last_cpu)
-        self.last_wall, self.last_cpu = wall, cpu
-        self.rewards.append(reward)
-        n = len(self.times)
-        if n % PROGRESS_EVERY == 0 or n == self.total:
-            elapsed = time.perf_counter() - self.start
-            print(f"[{self.side}] step {n}/{self.total}  {statistics.median(self.times):.3f} s/step "
-                  f"(median)  reward {reward:.2f}  elapsed {elapsed:.0f} s",
-                  file=sys.stderr, flush=True)
-
-    def figures(self) -> dict:
-        return {"times": self.times, "cpu_times": self.cpu_times, "rewards": self.rewards,
-                "tokens": self.tokens, "reward_last10": statistics.mean(self.rewards[-10:])}
-
-
 def distance(model, start: list) -> float:
     """L2 distance of the model's parameters from `start`: > 0 once it has trained. `start`
     may lie on another device (TRL moves the model to the GPU after the copy was taken)."""
@@ -366,19 +334,11 @@ def run_side(args: argparse.Namespace) -> int:
 
 
 # ---- the comparison ------------------------------------------------------------------------
-def spawn(side: str, seed: int, args: argparse.Namespace) -> dict:
-    """Run one side for one seed in a fresh process; its result dict."""
-    cmd = [sys.executable, "-m", "grpo_lab.tools.bench", "--side", side, "--steps", str(args.steps),
-           "--seed", str(seed), "--threads", str(args.threads), "--device", args.device,
-           "--profile", args.profile]
-    env = {**os.environ, "GRPO_LAB_PROFILE": args.profile, "TOKENIZERS_PARALLELISM": "false"}
-    print(f"[{side} seed {seed}] training {args.steps} steps ...", file=sys.stderr, flush=True)
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: progress
-    lines = [line for line in p.stdout.splitlines() if line.startswith(RESULT)]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"the {side} side (seed {seed}) failed with exit code "
-                           f"{p.returncode}; the end of its output:\n{p.stdout[-4000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+def side_command(side: str, seed: int, args: argparse.Namespace) -> list[str]:
+    """The command that runs one side for one seed in a fresh process."""
+    return [sys.executable, "-m", "grpo_lab.tools.bench", "--side", side, "--steps",
+            str(args.steps), "--seed", str(seed), "--threads", str(args.threads), "--device",
+            args.device, "--profile", args.profile]
 
 
 def merge(runs: list[dict]) -> dict:
@@ -507,13 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     seeds = list(range(args.seed, args.seed + args.seeds))
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
-    try:
-        for seed in seeds:  # alternate the sides, so slow spells of a shared machine hit both
-            for side in SIDES:
-                runs[side].append(spawn(side, seed, args))
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    env = {**os.environ, "GRPO_LAB_PROFILE": args.profile, "TOKENIZERS_PARALLELISM": "false"}
+    for seed in seeds:
+        print(f"[seed {seed}] {args.steps} steps per side, the sides taking turns ...",
+              file=sys.stderr, flush=True)
+        commands = {side: side_command(side, seed, args) for side in SIDES}
+        try:
+            for side, result in run_in_turns(commands, args.steps, env).items():
+                runs[side].append(result)
+        except RuntimeError as e:
+            print(f"error: seed {seed}: {e}", file=sys.stderr)
+            return 1
     print(f"(all runs took {time.time() - t0:.0f} s)", file=sys.stderr)
     results = {side: merge(r) for side, r in runs.items()}
     if args.json:
