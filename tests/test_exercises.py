@@ -222,3 +222,18 @@ def test_a_built_checker_holds_the_learner_to_the_references_refusals_and_hints(
     wrong = check(lambda n: n)
     assert wrong.reason == ("an even number: your result is wrong: yours is 4, expected 2; "
                             "half of 4 is 2")
+
+
+def test_a_clip_that_lets_a_nan_norm_through_is_told_why():
+    """min(1, c / NaN) is 1 in Python: the finite gradients pass unchanged, where torch's
+    clip_grad_norm_ (and the course's) makes every one NaN (notebook 06, section 4)."""
+    import math
+
+    def python_min(grads, max_norm):
+        norm = math.sqrt(sum(float((g ** 2).sum()) for g in grads))
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        return [g * scale for g in grads], norm
+
+    result = REGISTRY["clip_grad_norm"].check(python_min)
+    assert result.status == "failed"
+    assert "a NaN entry" in result.reason and "min(1, c / NaN) is 1" in result.reason

@@ -39,8 +39,8 @@ QUESTIONS: dict[str, Question] = {
         "it crash? (a range of steps; 101 if you expect it to survive all 100)",
         low=1, high=101, unit="step"),
     "06-clamp-only-nan-seeds": Question(
-        "The reports' log-ratio clamp alone (±10, on the naive preset, 25 steps): on how many "
-        "of the 3 seeds will NaN still reach the weights?",
+        "A log-ratio clamp alone (±10, the stable preset's; the reports used 5) on the naive "
+        "preset, 25 steps: on how many of the 3 seeds will NaN still reach the weights?",
         choices=("0", "1", "2", "3")),
     "07-rollbacks": Question(
         "The naive preset with the health check on, 30 steps: how many times will it roll "

@@ -53,6 +53,19 @@ def check_clip_grad_norm(fn: Callable) -> CheckResult:
                 if not isinstance(c, torch.Tensor) or c.shape != w.shape:
                     raise Mismatch(f"{what}: clipped gradient {i} has {shape_of(c)}, expected "
                                    f"{shape_of(w)}")
+            if math.isnan(want_norm):
+                if not (isinstance(norm, float) and math.isnan(norm)):
+                    raise Mismatch(f"{what}: the norm is NaN when any gradient entry is NaN "
+                                   "(NaN squared is NaN, and so is any sum with it); you "
+                                   f"returned {norm!r}")
+                if not all(torch.isnan(c).all() for c in clipped):
+                    raise Mismatch(f"{what}: with a NaN norm, torch's clip_grad_norm_ scales "
+                                   "every gradient by NaN, so every clipped entry is NaN; some "
+                                   "of yours are not. In Python min(1, c / NaN) is 1 (every "
+                                   "comparison with NaN is False), which passes the finite "
+                                   "gradients on unchanged; torch.clamp(c / (norm + 1e-6), "
+                                   "max=1.0) keeps the NaN")
+                return
             per_tensor = [ref([g], max_norm)[0][0] for g in grads]
             by_value = [g.clamp(-max_norm, max_norm) for g in grads]
             if not all_close(clipped, want):
@@ -90,6 +103,9 @@ def check_clip_grad_norm(fn: Callable) -> CheckResult:
         ("a norm below max_norm is left alone",
          same([torch.tensor([0.3, 0.4]), torch.tensor([1.2])], 5.0, "norm 1.3")),
         ("random gradients of three shapes, max_norm 1", same(rnd, 1.0, "random")),
+        ("a NaN entry in one gradient: the norm is NaN, and every clipped gradient too, as in "
+         "torch", same([torch.tensor([3.0, float("nan")]), torch.tensor([[12.0]])], 5.0,
+                       "a NaN entry")),
     ])
 
 
