@@ -294,7 +294,8 @@ def diagnose(history: list[dict]) -> dict:
     """A crashed run's metrics -> what broke and when (notebook 05). Rows may lack keys.
 
     returns {"first_bad_step": the first step with nonfinite_params > 0, or None;
-             "last_healthy_step": the last step before it (the last step when none broke);
+             "last_healthy_step": the last step before it (the last step when none broke;
+                                  None when the first row already broke);
              "max_grad_norm": the largest finite grad_norm up to the last healthy step;
              "max_log_ratio": the largest log_ratio/max_abs up to the last healthy step}
     (the two maxima 0.0 when no row has the key)"""
@@ -302,7 +303,7 @@ def diagnose(history: list[dict]) -> dict:
     before = [m for m in history if bad is None or m["step"] < bad]
     norms = [m["grad_norm"] for m in before if "grad_norm" in m and math.isfinite(m["grad_norm"])]
     ratios = [m["log_ratio/max_abs"] for m in before if "log_ratio/max_abs" in m]
-    return {"first_bad_step": bad, "last_healthy_step": max(m["step"] for m in before),
+    return {"first_bad_step": bad, "last_healthy_step": max((m["step"] for m in before), default=None),
             "max_grad_norm": max(norms, default=0.0), "max_log_ratio": max(ratios, default=0.0)}
 
 

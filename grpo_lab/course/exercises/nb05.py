@@ -105,6 +105,9 @@ def check_diagnose(fn: Callable) -> CheckResult:
                history_row(5, grad_norm=1e9, nonfinite_params=800, **{"log_ratio/max_abs": nan})]
     healthy = [history_row(0), history_row(1, grad_norm=3.0, nonfinite_params=0),
                history_row(2, grad_norm=1.0, nonfinite_params=0)]
+    # resumed from a checkpoint whose weights were already non-finite: no healthy row at all
+    broken_from_start = [history_row(7, grad_norm=nan, nonfinite_params=800),
+                         history_row(8, grad_norm=nan, nonfinite_params=800)]
 
     def case(history, what):
         def run(f):
@@ -122,13 +125,16 @@ def check_diagnose(fn: Callable) -> CheckResult:
                             "healthy step: the broken step's norm is NaN)",
                             "max_log_ratio": " (up to the last healthy step: the step that "
                             "broke is where exp overflowed, not the drift before it)",
-                            "last_healthy_step": " (the step before the first broken one)"}
+                            "last_healthy_step": " (the step before the first broken one; None "
+                            "when no row before it was healthy)"}
                     raise Mismatch(f"{what}: {k} is {g!r}, expected {v!r}{hint.get(k, '')}")
         return run
 
     return run_check("diagnose", fn, ref, [
         ("a run that broke at step 4", case(crashed, "a run that broke at step 4")),
         ("a run that never broke", case(healthy, "a run that never broke")),
+        ("a run broken from its first row (resumed from bad weights)",
+         case(broken_from_start, "a run broken from its first row")),
     ])
 
 
