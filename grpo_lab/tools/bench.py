@@ -11,13 +11,9 @@ score them with the same reward (`tasks.addition_reward`, in TRL's signature; th
 works out `truncated` from the completion ids TRL passes) and
 use the same G, completion cap, temperature, learning rate, beta and grad clipping. Each
 side runs in its own subprocess, so its peak memory is its own, and the two take turns step
-by step (`Turns`): grpo_lab's step k, then TRL's step k, then grpo_lab's step k + 1, never
-both at once. A shared machine's speed drifts by tens of percent over seconds to minutes
-(150-step runs of one side, one after the other, measured 0.36 to 0.61 for the same
-code); taking turns every step puts both sides under the same spells, so their ratio holds
-where each side's own time does not. Accuracy is measured identically on both: greedy `sampling.greedy_accuracy`
-on `tasks.eval_problems(256)`, averaged over the seeds, since one run's accuracy after
-150 steps moves by several points from seed to seed.
+by step, never both at once (`turns.py` says why). Accuracy is measured identically on
+both: greedy `sampling.greedy_accuracy` on `tasks.eval_problems(256)`, averaged over the
+seeds, since one run's accuracy after 150 steps moves by several points from seed to seed.
 
 Throughput: completion tokens per second, and model FLOPs utilisation (MFU): the FLOPs the
 step's work needs, counted the same way for both sides (`model_flops_per_step`), over the

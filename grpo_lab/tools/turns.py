@@ -2,11 +2,12 @@
 their own and step one at a time, in turn.
 
 A shared machine's speed drifts by tens of percent over seconds to minutes: 150-step runs
-of one side after the other gave step-time ratios from 0.36 to 0.61 for the same code
-(benchmarks/RESULTS.md). Taking turns every step puts every side under the same spells, and
-no two sides compete for the CPU. `run_in_turns` starts the sides' commands and passes the
-turn between them through two pipes per side (named in TURNS_ENV); a side's `Progress`
-waits for its turn before a step and hands it back after, and its clock stops meanwhile.
+of one side after the other gave step-time ratios from 0.36 to 0.61 for code whose speed
+did not change (benchmarks/RESULTS.md). Taking turns every step puts every side under the
+same spells, and no two sides compete for the CPU. `run_in_turns` starts the sides'
+commands and passes the turn between them through two pipes per side (named in TURNS_ENV);
+a side's `Progress` waits for its turn before a step and hands it back after, and its clock
+stops meanwhile.
 
 Standard library only, so that a side can be a small script (tests/test_bench.py).
 """
@@ -89,20 +90,23 @@ def run_in_turns(commands: dict[str, list[str]], steps: int, env: dict[str, str]
     order given, for `steps` rounds (each side's Progress waits for its turn; `Turns`); then
     each side's result dict, from the RESULT line it printed. A side that fails raises
     RuntimeError naming it, and the others are ended, not left waiting."""
-    procs, outs = {}, {}
+    procs, outs, ours = {}, {}, []  # ours: this process's pipe ends, closed when done
     with tempfile.TemporaryDirectory(prefix="grpo_lab_bench_") as tmp:
         try:
             for side, cmd in commands.items():
                 go_r, go_w = os.pipe()
                 done_r, done_w = os.pipe()
+                ours += [go_w, done_r]
                 outs[side] = open(os.path.join(tmp, f"{side}.out"), "w+")  # stderr: progress
-                procs[side] = (subprocess.Popen(cmd, stdout=outs[side], pass_fds=(go_r, done_w),
-                                                env={**env, TURNS_ENV: f"{go_r},{done_w}"}),
-                               go_w, done_r)
-                # the child's ends: a child that dies closes the last copy, so a read of its
-                # pipe returns EOF instead of waiting for ever
-                os.close(go_r)
-                os.close(done_w)
+                try:
+                    procs[side] = (subprocess.Popen(
+                        cmd, stdout=outs[side], pass_fds=(go_r, done_w),
+                        env={**env, TURNS_ENV: f"{go_r},{done_w}"}), go_w, done_r)
+                finally:
+                    # the child's ends: a child that dies closes the last copy, so a read of
+                    # its pipe returns EOF instead of waiting for ever
+                    os.close(go_r)
+                    os.close(done_w)
             failed = None
             for _ in range(steps):
                 for side, (_, go, done) in procs.items():
@@ -116,9 +120,8 @@ def run_in_turns(commands: dict[str, list[str]], steps: int, env: dict[str, str]
                         break
                 if failed:
                     break
-            for _, go, done in procs.values():
-                os.close(go)  # a side still waiting for its turn reads EOF and exits
-                os.close(done)
+            while ours:  # a side still waiting for its turn reads EOF and exits
+                os.close(ours.pop())
             results = {}
             # a side that failed is reported, not another one it stopped
             for side in sorted(procs, key=lambda side: side != failed):
@@ -133,6 +136,8 @@ def run_in_turns(commands: dict[str, list[str]], steps: int, env: dict[str, str]
                 results[side] = json.loads(lines[-1][len(RESULT):])
             return {side: results[side] for side in commands}
         finally:
+            while ours:
+                os.close(ours.pop())
             for p, _, _ in procs.values():
                 if p.poll() is None:
                     p.kill()
