@@ -41,6 +41,14 @@ def sum_error_bound(n: int, unit_roundoff: float = UNIT_ROUNDOFF, lam: float = L
     return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
 
 
+# k3 = e^x - x - 1 (x = ref_logp - logp) is >= 0 for every real x; how far below 0 its float32
+# value may land. With u = UNIT_ROUNDOFF: exp returns e^x (1 + d1), |d1| <= 2 ulp = 4u
+# (CUDA's expf is within 2 ulp, the CPU's vectorised exp within 1); subtracting x rounds
+# once more, |d2| <= u; subtracting 1 is exact (Sterbenz: the operand lies in [1/2, 2]).
+# So |computed - exact| <= 4u e^x + u (e^x - x). k3 is that small only near x = 0 (k3 < 6u
+# needs |x| < sqrt(12u) ~ 1e-3, where e^x < 1.001): the error there is at most ~5u.
+K3_FLOOR = -6 * UNIT_ROUNDOFF
+
 AS_ACCURATE = 4.0  # see as_accurate_bound
 
 
