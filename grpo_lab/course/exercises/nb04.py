@@ -113,6 +113,12 @@ def _rewards_as_advantages(run, problems, loss_fn, update_fn):
         return steps.grpo_step(run, problems, loss_fn, update_fn)
 
 
+def _advantage_options_ignored(run, problems, loss_fn, update_fn):
+    plain = steps.group_advantages
+    with patched(steps, group_advantages=lambda r, G, *a, **k: plain(r, G)):
+        return steps.grpo_step(run, problems, loss_fn, update_fn)
+
+
 def _step_temperature_ignored(run, problems, loss_fn, update_fn):
     def at_one(model, ids, mask, C, temperature=1.0, *a):
         return completion_logprobs(model, ids, mask, C, 1.0)
@@ -174,6 +180,10 @@ GRPO_STEP_MISTAKES = (
     Mistake("rewards_as_advantages", _rewards_as_advantages,
             "the raw rewards are used as advantages: normalise them within each group with "
             "`group_advantages(rewards, G, ...)`"),
+    Mistake("advantage_options_ignored", _advantage_options_ignored,
+            "group_advantages is called without the config's options: pass "
+            "`cfg.advantage_eps, cfg.scale_rewards` too (with scale_rewards False, Dr. "
+            "GRPO's choice, the rewards are only centred, not divided by the group's std)"),
     Mistake("temperature_ignored", _step_temperature_ignored,
             "the training forward ignores the temperature: log-probs must come from the "
             "distribution the sampler drew from, `completion_logprobs(..., cfg.temperature)`, "
@@ -247,6 +257,9 @@ GRPO_LOSS_MISTAKES = (
             "log-probs first (log_r = ref_logp - logp)"),
     Mistake("beta_ignored", _with(beta=0.0),
             "the KL term is missing: add `cfg.beta * kl_k3(logp, ref_logp)` per token"),
+    Mistake("kl_unscaled", _with(beta=1.0),
+            "the KL term is not scaled by the config's beta: each token's term is "
+            "surrogate + `cfg.beta * kl_k3(logp, ref_logp)`, not surrogate + k3"),
     Mistake("ratio_against_reference", _loss_ratio_against_reference,
             "the ratio is taken against the reference (`ref_logp`) instead of pi_old "
             "(`old_logp`): report 001's mistake"),
@@ -259,6 +272,10 @@ GRPO_LOSS_MISTAKES = (
             "on padding, the loss type's normalisation elsewhere) and sum"),
     Mistake("no_clip", _with(epsilon_low=1e9, epsilon_high=1e9),
             "nothing is clipped: the surrogate is -r x A without the trust region"),
+    Mistake("epsilon_high_ignored", _with(epsilon_high=lambda cfg: cfg.epsilon_low),
+            "the upper clip bound ignores `cfg.epsilon_high`: the trust region is "
+            "[1 - epsilon_low, 1 + epsilon_high], and the two differ when the config makes "
+            "them differ (DAPO's clip-higher, 0.2 / 0.28)"),
     Mistake("sign", _sign,
             "the loss has the opposite sign: a loss is minimised, so it is -min(r A, clip A)"),
 )
@@ -451,7 +468,8 @@ def check_grpo_step(fn: Callable) -> CheckResult:
 
     return run_check("grpo_step", fn, ref, [
         ("4 prompts x 4 completions, drifted policy, stale .grad", case(0)),
-        ("temperature 0.7, loss_type dr_grpo", case(1, temperature=0.7, loss_type="dr_grpo")),
+        ("temperature 0.7, Dr. GRPO (loss_type dr_grpo, scale_rewards False)",
+         case(1, temperature=0.7, loss_type="dr_grpo", scale_rewards=False)),
         ("completions cut at 2 tokens (truncated ones score 0)", case(2, max_new_tokens=2)),
         ("top_k 2 and top_p 0.8 in the config", case(3, top_k=2, top_p=0.8)),
     ])
