@@ -329,7 +329,11 @@ def guarded_update(run: Run) -> tuple[float, int]:
     run.last_grad_norm = grad_norm
     finite = math.isfinite(grad_norm)
     if not finite and run.first_bad_grad is None:
-        run.first_bad_grad = f"step {run.step_count + 1}: {first_nonfinite_grad(run.policy)}"
+        where = first_nonfinite_grad(run.policy)
+        if where is None:  # every entry finite: their sum of squares overflowed float32
+            largest = max(float(p.grad.abs().max()) for p in params if p.grad is not None)
+            where = f"every entry finite, the norm overflowed float32 (largest |entry| {largest:.3g})"
+        run.first_bad_grad = f"step {run.step_count + 1}: {where}"
     skip = (cfg.skip_nonfinite_grad and not finite) or is_spike(
         grad_norm, run.recent_grad_norms, cfg.spike_skip_factor)
     if finite:

@@ -328,6 +328,21 @@ def test_metrics_file_is_strict_json_and_survives_a_torn_last_line(tmp_path):
     assert "first non-finite gradient: step" in trainer.diagnosis()
 
 
+def test_a_norm_that_overflows_with_finite_entries_is_named_so(tiny):
+    """The float32 norm of finite gradients can overflow (its sum of squares passes 3.4e38):
+    the diagnosis says so, and gives the largest entry, instead of 'None'."""
+    from grpo_lab.step import guarded_update
+
+    model, tok = tiny
+    trainer = Trainer(preset("stable", steps=1), model, tok)
+    for p in trainer.policy.parameters():
+        p.grad = torch.full_like(p, 1e20)
+    grad_norm, skipped = guarded_update(trainer.run)
+    assert math.isinf(grad_norm) and skipped == 1
+    assert "first non-finite gradient: step 1: every entry finite, the norm overflowed float32 " \
+        "(largest |entry| 1e+20)" in trainer.diagnosis()
+
+
 def test_spike_rule_skips_a_spike_but_absorbs_a_lasting_shift(tiny):
     model, tok = tiny
     trainer = Trainer(preset("stable", spike_skip_factor=10.0), model, tok)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -31,6 +33,61 @@ from ...sampling import (
 from ...tasks import ProblemStream
 from .. import steps
 from .base import STEP_TOL, CheckResult, Mismatch, Mistake, gen, run_check, which_mistake
+
+# --- a known function's result, once per case ---------------------------------------------------
+VAR_KEYWORD = inspect.Parameter.VAR_KEYWORD
+KNOWN_RESULTS = 64  # cached driver results per process (a whole step's is ~3 MB of weights)
+_known_results: OrderedDict = OrderedDict()
+
+
+@functools.cache
+def _known_functions() -> frozenset:
+    """Every exercise's reference and known mistakes: functions the course wrote, whose
+    results on a fixed case never change."""
+    from . import registry
+
+    return frozenset([e.reference for e in registry().values()] +
+                     [m.wrong for e in registry().values() for m in e.mistakes])
+
+
+def reuses_known_results(driver: Callable) -> Callable:
+    """The driver, remembering its result where `fn` is a reference or a known mistake (never
+    the learner's function): a check drives the reference on every case it reaches and, where
+    the learner's result differs, the known mistakes one by one, and a test of every mistake
+    would otherwise drive the same ones again for each. Returned as a copy, so not for a
+    driver whose result holds an autograd graph (drive_logprobs' log-probs: a check
+    differentiates them, and torch refuses to copy them)."""
+    signature = inspect.signature(driver)
+    first, *_ = signature.parameters
+
+    def case_key(fn, args, params) -> tuple:
+        bound = signature.bind(fn, *args, **params)
+        bound.apply_defaults()
+        items = []
+        for name, value in bound.arguments.items():
+            if name == first:
+                continue
+            kind = signature.parameters[name].kind
+            items.append((name, tuple(sorted(value.items())) if kind is VAR_KEYWORD else value))
+        return (driver.__module__, driver.__name__, fn, tuple(items))
+
+    @functools.wraps(driver)
+    def wrapped(fn, *args, **params):
+        try:
+            key = case_key(fn, args, params)
+            hash(key)
+            known = fn in _known_functions()
+        except TypeError:  # an unhashable function or parameter, or arguments it does not take
+            known = False
+        if not known:
+            return driver(fn, *args, **params)
+        if key not in _known_results:
+            _known_results[key] = driver(fn, *args, **params)
+            if len(_known_results) > KNOWN_RESULTS:
+                _known_results.popitem(last=False)
+        _known_results.move_to_end(key)
+        return copy.deepcopy(_known_results[key])
+    return wrapped
 
 
 # --- the fixture -----------------------------------------------------------------------------
@@ -67,6 +124,7 @@ def flat_params(model) -> torch.Tensor:
 
 
 # --- drivers: run the learner's function on a fixed case ---------------------------------------
+@reuses_known_results
 def drive_step(fn, seed: int = 0, **overrides) -> dict:
     run = fixture_run(seed, **overrides)
     before = flat_params(run.policy)
@@ -87,6 +145,7 @@ def check_step_contract(out: dict) -> None:
         raise Mismatch(str(e)) from None
 
 
+@reuses_known_results
 def drive_update(fn, seed: int = 0, **overrides) -> dict:
     run = fixture_run(seed, **overrides)
     before = flat_params(run.policy)
@@ -94,6 +153,7 @@ def drive_update(fn, seed: int = 0, **overrides) -> dict:
     return {"update": flat_params(run.policy) - before, "out": out}
 
 
+@reuses_known_results
 def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False) -> dict:
     """A guarded update on the fixture (stale gradients of norm ~45, max_grad_norm 1,
     spike factor 20), with `recent` as the known grad norms and, with nan_grad, one NaN
@@ -108,6 +168,7 @@ def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False)
             "recent": [float(x) for x in run.recent_grad_norms]}
 
 
+@reuses_known_results
 def drive_sample(fn, seed: int = 0, fault: str | None = None) -> dict:
     """Sample 4 completions for each of 3 prompts of different lengths at T = 0.8 with a
     fresh tiny GPT-2; fault 'nan-params' makes its embedding NaN, 'new-pad' adds a pad token
@@ -130,6 +191,7 @@ def drive_sample(fn, seed: int = 0, fault: str | None = None) -> dict:
     return {"ids": ids if isinstance(ids, torch.Tensor) else None}
 
 
+@reuses_known_results
 def drive_sample_tokens(fn, seed: int = 0, temperature: float = 0.7) -> dict:
     """Four prompts of different lengths, each twice, through fn with the tiny GPT-2."""
     model, tokenizer = tiny_model()
@@ -176,6 +238,7 @@ def loss_case(seed: int, drift: float = 0.0, **overrides):
     return cfg, (logp, old_logp, ref_logp, advantages, weights), mask
 
 
+@reuses_known_results
 def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
     """The loss and its gradient with respect to logp. The advantages come in as a tensor
     that carries a gradient (as if a graph had computed them): none may flow into them."""

@@ -22,7 +22,7 @@ from .base import (
     run_check,
     same,
 )
-from .fixtures import drive, fixture_run, flat_params
+from .fixtures import drive, fixture_run, flat_params, reuses_known_results
 
 
 def check_nonfinite_params(fn: Callable) -> CheckResult:
@@ -89,6 +89,7 @@ def _check_fault(fault: str) -> None:
         raise ValueError(f"fault must be one of {', '.join(FAULTS)} (got {fault!r})")
 
 
+@reuses_known_results
 def drive_health_check(fn, seed: int = 0, fault: str = "nan-params", at: int = 3,
                        n_steps: int = 4, snapshot_every: int = 1) -> dict:
     """n_steps fake steps: fresh random gradients (for 'nan-grads' one NaN entry at step
@@ -113,6 +114,7 @@ def drive_health_check(fn, seed: int = 0, fault: str = "nan-params", at: int = 3
     return {"params": flat_params(run.policy), "returns": returns}
 
 
+@reuses_known_results
 def drive_healthy_update(fn, seed: int = 0, fault: str = "nan-params", at: int = 3,
                          n_steps: int = 4, snapshot_every: int = 1) -> dict:
     """The fake steps of drive_health_check with `fn(run, update_fn=...)` as the update:

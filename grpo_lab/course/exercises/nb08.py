@@ -26,6 +26,7 @@ from .fixtures import (
     fixture_cfg,
     fixture_run,
     flat_params,
+    reuses_known_results,
 )
 
 
@@ -68,6 +69,7 @@ def check_micro_batch_slices(fn: Callable) -> CheckResult:
     ])
 
 
+@reuses_known_results
 def drive_accumulated(fn, seed: int = 0, **overrides) -> dict:
     """drive_step for an accumulating step: one step on the fixture (the same batch as
     drive_step's), and the rows of every training forward of the policy (with gradient)."""

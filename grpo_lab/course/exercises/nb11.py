@@ -64,6 +64,25 @@ ACCUMULATION_FOR_BUDGET = Exercise(
 check_accumulation_for_budget = ACCUMULATION_FOR_BUDGET.check
 
 
+def _gap(a: float, b: float) -> float:
+    return 0.0 if a != a and b != b else math.inf if (a != a) != (b != b) else abs(a - b)
+
+
+def _matched_by_position(yours: list[dict], theirs: list[dict], keys) -> dict[str, float]:
+    """compare_histories with the rows paired in order (zip), not by their "step"."""
+    pairs = list(zip(yours, theirs, strict=False))  # the longer run's extra rows dropped
+    return {k: max((_gap(m[k], n[k]) for m, n in pairs if k in m and k in n), default=0.0)
+            for k in keys}
+
+
+COMPARE_HISTORIES_MISTAKES = (
+    Mistake("matched_by_position", _matched_by_position,
+            "the rows are paired by their position in the lists, not by their 'step': a run "
+            "that logged fewer rows (a crash, eval rows, steps 1 and 3 only) then compares "
+            "one step with another; look each row's 'step' up in the other run"),
+)
+
+
 def check_compare_histories(fn: Callable) -> CheckResult:
     ref = steps.compare_histories
     nan = float("nan")
@@ -79,6 +98,10 @@ def check_compare_histories(fn: Callable) -> CheckResult:
             got, want = f([dict(m) for m in x], [dict(m) for m in y], list(keys)), ref(x, y, keys)
             if not isinstance(got, dict) or set(got) != set(want):
                 raise Mismatch(f"{what}: return a dict with one entry per key, {sorted(want)}")
+            if got != want:
+                for mistake in COMPARE_HISTORIES_MISTAKES:
+                    if mistake.wrong(x, y, keys) == got:
+                        raise Mismatch(f"{what}: {mistake.message}")
             for k, v in want.items():
                 g = got[k]
                 if not (isinstance(g, (int, float)) and (g == v or math.isclose(g, v, abs_tol=1e-12))):
@@ -97,6 +120,7 @@ def check_compare_histories(fn: Callable) -> CheckResult:
 
 # --- the notebook's exercises, in its order -------------------------------------------------
 EXERCISES = (
-    Exercise('compare_histories', steps.compare_histories, check_compare_histories),
+    Exercise('compare_histories', steps.compare_histories, check_compare_histories,
+             mistakes=COMPARE_HISTORIES_MISTAKES),
     ACCUMULATION_FOR_BUDGET,
 )
