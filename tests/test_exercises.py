@@ -237,3 +237,19 @@ def test_a_clip_that_lets_a_nan_norm_through_is_told_why():
     result = REGISTRY["clip_grad_norm"].check(python_min)
     assert result.status == "failed"
     assert "a NaN entry" in result.reason and "min(1, c / NaN) is 1" in result.reason
+
+
+def test_a_loss_whose_stats_are_tensors_is_told_to_return_numbers():
+    """Tensor stats have the reference's values, but the learner's step puts them into its
+    metrics, and writing those as JSON then fails far from the loss: the check says so."""
+    import torch
+
+    from grpo_lab.course.steps import grpo_loss
+
+    def tensor_stats(*args):
+        loss, stats = grpo_loss(*args)
+        return loss, {k: torch.tensor(v) for k, v in stats.items()}
+
+    result = REGISTRY["grpo_loss"].check(tensor_stats)
+    assert result.status == "failed"
+    assert "is a tensor: return a plain Python number (`.item()`)" in result.reason

@@ -254,6 +254,8 @@ def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
     stats = out[1] if isinstance(out[1], dict) else {}
     return {"loss": loss.detach(), "grad": torch.zeros_like(args[0]) if grad is None else grad,
             "advantages_get_gradient": adv_grad is not None and bool(adv_grad.abs().sum() > 0),
+            "tensor_stats": sorted(k for k, v in stats.items() if isinstance(k, str)
+                                   and isinstance(v, torch.Tensor)),
             "stats": {k: float(v) for k, v in stats.items() if isinstance(k, str)
                       and isinstance(v, (int, float, torch.Tensor))
                       and (not isinstance(v, torch.Tensor) or v.numel() == 1)},
@@ -344,6 +346,10 @@ def check_loss(name: str, fn: Callable, ref: Callable, cases: list[tuple[str, di
                 named = which_mistake(flat(out), mistakes, lambda m: flat(drive_loss(m, **params)))
                 raise Mismatch(f"the loss or its gradient differs from the reference: "
                                f"{named or where_the_loss_differs(out, want)}")
+            if out.get("tensor_stats"):
+                raise Mismatch(f"stats[{out['tensor_stats'][0]!r}] is a tensor: return a plain "
+                               "Python number (`.item()`); the step puts the stats into its "
+                               "metrics, which are written as JSON")
             for key in stats:
                 check_stat(out["stats"], want["stats"], key, params, stats_mistakes)
         return run
