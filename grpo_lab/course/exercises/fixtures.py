@@ -32,6 +32,7 @@ from ...sampling import (
 )
 from ...tasks import ProblemStream
 from .. import steps
+from . import registry
 from .base import STEP_TOL, CheckResult, Mismatch, Mistake, gen, run_check, which_mistake
 
 # --- a known function's result, once per case ---------------------------------------------------
@@ -44,8 +45,6 @@ _known_results: OrderedDict = OrderedDict()
 def _known_functions() -> frozenset:
     """Every exercise's reference and known mistakes: functions the course wrote, whose
     results on a fixed case never change."""
-    from . import registry
-
     return frozenset([e.reference for e in registry().values()] +
                      [m.wrong for e in registry().values() for m in e.mistakes])
 
