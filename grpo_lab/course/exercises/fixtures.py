@@ -55,7 +55,8 @@ def reuses_known_results(driver: Callable) -> Callable:
     the learner's result differs, the known mistakes one by one, and a test of every mistake
     would otherwise drive the same ones again for each. Returned as a copy, so not for a
     driver whose result holds an autograd graph (drive_logprobs' log-probs: a check
-    differentiates them, and torch refuses to copy them)."""
+    differentiates them, and torch refuses to copy them). In-process and keyed on the function
+    itself: grpo_lab/memo.py keys on plain data only, and only in a test session."""
     signature = inspect.signature(driver)
     first, *_ = signature.parameters
 

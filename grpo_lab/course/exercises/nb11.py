@@ -64,15 +64,11 @@ ACCUMULATION_FOR_BUDGET = Exercise(
 check_accumulation_for_budget = ACCUMULATION_FOR_BUDGET.check
 
 
-def _gap(a: float, b: float) -> float:
-    return 0.0 if a != a and b != b else math.inf if (a != a) != (b != b) else abs(a - b)
-
-
 def _matched_by_position(yours: list[dict], theirs: list[dict], keys) -> dict[str, float]:
-    """compare_histories with the rows paired in order (zip), not by their "step"."""
-    pairs = list(zip(yours, theirs, strict=False))  # the longer run's extra rows dropped
-    return {k: max((_gap(m[k], n[k]) for m, n in pairs if k in m and k in n), default=0.0)
-            for k in keys}
+    """compare_histories with the rows paired in order, not by their "step": the reference
+    on the two runs with each row's step replaced by its position."""
+    return steps.compare_histories([dict(m, step=i) for i, m in enumerate(yours)],
+                                   [dict(m, step=i) for i, m in enumerate(theirs)], keys)
 
 
 COMPARE_HISTORIES_MISTAKES = (
