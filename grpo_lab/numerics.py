@@ -49,6 +49,22 @@ def sum_error_bound(n: int, unit_roundoff: float = UNIT_ROUNDOFF, lam: float = L
 # needs |x| < sqrt(12u) ~ 1e-3, where e^x < 1.001): the error there is at most ~5u.
 K3_FLOOR = -6 * UNIT_ROUNDOFF
 
+
+def score_mean_bound(p_max: float, vocab: int) -> float:
+    """How far from 0 an entry of a float32 E_{x~p}[grad log p(x)] may land, with respect to
+    the logits (k1's expected gradient, notebook 09): autograd computes it as p - p * sum(p),
+    0 exactly since sum(p) = 1.
+
+    Computed, p_x = exp(log_softmax(z)_x) carries the log-sum-exp's error (common to every x:
+    the V-term sum, sum_error_bound(V), and the log, u), |log p_x| u from rounding log p_x,
+    and exp's 2 ulp (4u); weighted by p_x these add up to at most sum_error_bound(V) +
+    (5 + ln V) u (sum p |log p| <= ln V), and summing the V computed values adds
+    sum_error_bound(V) more. So |1 - computed sum(p)| <= 2 sum_error_bound(V) + (5 + ln V) u;
+    times p_x, plus 2u p_x for the product and the subtraction."""
+    u = UNIT_ROUNDOFF
+    return p_max * (2 * sum_error_bound(vocab) + (7 + math.log(vocab)) * u)
+
+
 AS_ACCURATE = 4.0  # see as_accurate_bound
 
 

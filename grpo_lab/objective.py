@@ -24,9 +24,16 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 when it is in a narrower float (bf16, fp16: a log-softmax over V there
+    loses the small probabilities), else unchanged: float64 stays float64, so a float64
+    model computes a float64 truth to compare float32 results with."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """(B, C, V) logits, (B, C) ids -> (B, C) log p(token) under softmax(logits)."""
-    logp = logits.float().log_softmax(dim=-1)
+    logp = at_least_float32(logits).log_softmax(dim=-1)
     return logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -79,7 +86,7 @@ def completion_logprobs(
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) entropy of softmax(logits) in nats."""
-    logp = logits.float().log_softmax(dim=-1)
+    logp = at_least_float32(logits).log_softmax(dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 

@@ -260,6 +260,10 @@ GRPO_LOSS_MISTAKES = (
     Mistake("kl_unscaled", _with(beta=1.0),
             "the KL term is not scaled by the config's beta: each token's term is "
             "surrogate + `cfg.beta * kl_k3(logp, ref_logp)`, not surrogate + k3"),
+    Mistake("kl_halved", _with(beta=lambda cfg: cfg.beta / 2),
+            "the KL term is halved: each token's term is surrogate + `cfg.beta * "
+            "kl_k3(logp, ref_logp)`; k3 carries no 1/2 (the 0.5 belongs to k2, "
+            "0.5 (log r)^2, a different estimator)"),
     Mistake("ratio_against_reference", _loss_ratio_against_reference,
             "the ratio is taken against the reference (`ref_logp`) instead of pi_old "
             "(`old_logp`): report 001's mistake"),
