@@ -1,11 +1,11 @@
 """The instructor's reference measurements for the three open experiments
-(docs/open-experiments.md): what one careful answer finds on the CPU profile.
+(docs/open-experiments-reference.md): what one careful answer finds on the CPU profile.
 
     .venv/bin/python benchmarks/open_experiments.py [build|break|fix ...]
 
 Prints one line per setting: final held-out accuracy per seed (eval on 64 problems), the step
 a run crashed at, if any, and the mean. 1.5 to 3 minutes per experiment on the 2-core
-machine of docs/open-experiments.md (2 threads).
+machine of docs/open-experiments-reference.md (2 threads).
 """
 
 from __future__ import annotations
