@@ -35,6 +35,7 @@ REFERENCES = {
     nb00.check_count_parameters: count_parameters,
     nb01.check_position_ids_from_mask: objective.position_ids_from_mask,
     nb01.check_token_logprobs: objective.token_logprobs,
+    nb01.check_sample_tokens: steps.sample_tokens,
     nb02.check_group_advantages: objective.group_advantages,
     nb03.check_kl_k3: objective.kl_k3,
     nb03.check_clipped_surrogate: objective.clipped_surrogate,
@@ -122,11 +123,57 @@ def _region_with_bounds(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2,
     return per_token, ((r <= 1 - eps_low) & (a < 0)) | ((r >= 1 + eps_high) & (a > 0))
 
 
+def _eps_low_only(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, log_ratio_clamp=None):
+    """clipped_surrogate with the upper bound at 1 + eps_low: eps_high ignored."""
+    return objective.clipped_surrogate(logp, old_logp, advantages, eps_low, eps_low,
+                                       log_ratio_clamp)
+
+
+def _region_sign_blind(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2,
+                       log_ratio_clamp=None):
+    """region_clipped marking every ratio outside the range, whatever A's sign."""
+    per_token, _ = objective.clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high,
+                                               log_ratio_clamp)
+    r = objective.ratio_from_logprobs(logp, old_logp, log_ratio_clamp)
+    return per_token, (r < 1 - eps_low) | (r > 1 + eps_high)
+
+
+def _population_std(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards:
+        centred = centred / (grouped.std(dim=1, correction=0, keepdim=True) + advantage_eps)
+    return centred.reshape(-1)
+
+
+def _grpo_weights_over_all_positions(mask, loss_type, cap):
+    if loss_type == "grpo":
+        return mask.float() / mask.numel()
+    return objective.token_weights(mask, loss_type, cap)
+
+
+def _grpo_weights_nan_on_empty_rows(mask, loss_type, cap):
+    if loss_type == "grpo":
+        return mask.float() / mask.sum(-1, keepdim=True) / mask.shape[0]
+    return objective.token_weights(mask, loss_type, cap)
+
+
+def _sampler_without_early_stop(model, ids, mask, n, temperature, eos, pad):
+    out = steps.sample_tokens(model, ids, mask, n, temperature, eos, pad)
+    return torch.cat([out, torch.full((out.shape[0], n - out.shape[1]), pad)], 1)
+
+
 BUGS = [
     (nb02.check_group_advantages, _no_eps, "NaN when every reward in a group is equal"),
     (nb02.check_group_advantages, _batch_mean, "group's own mean"),
     (nb03.check_clipped_surrogate, naive.constant_clip_surrogate, "clip_ratio * advantage"),
     (nb03.check_clipped_surrogate, _region_with_bounds, "use < and >, not <= and >="),
+    (nb03.check_clipped_surrogate, _eps_low_only, "the upper clip bound ignores eps_high"),
+    (nb03.check_clipped_surrogate, _region_sign_blind, "whatever the sign of A"),
+    (nb02.check_group_advantages, _population_std, "population std"),
+    (nb03.check_token_weights, _grpo_weights_over_all_positions, "B x C"),
+    (nb03.check_token_weights, _grpo_weights_nan_on_empty_rows, "NaN or inf on row(s) [3]"),
+    (nb01.check_sample_tokens, _sampler_without_early_stop, "every row had ended after"),
     (nb03.check_kl_k3, _kl_wrong_sign, "wrong sign"),
     (nb03.check_kl_k3, naive.report003_kl, "report 003"),
     (nb01.check_token_logprobs, _raw_logits, "log_softmax"),

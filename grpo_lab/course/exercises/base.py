@@ -247,7 +247,10 @@ def run_check(name: str, yours: Callable, reference: Callable,
             status, reason = "not implemented", "not implemented yet: the notebook carries on " \
                 "with the reference"
         except Mismatch as e:
-            status, reason = "failed", f"{description}: {e}"
+            # a case's message may already begin with its description: say it once
+            message = str(e)
+            status, reason = "failed", message if message.startswith(f"{description}:") \
+                else f"{description}: {message}"
         except Exception as e:
             kind = getattr(e, "type_name", type(e).__name__)
             status, reason = "failed", f"{description}: your function raised {kind}: {e}" \
@@ -256,6 +259,9 @@ def run_check(name: str, yours: Callable, reference: Callable,
             break
     icon = {"passed": "✅", "failed": "❌", "not implemented": "⏳"}[status]
     print(f"{icon} {label}: " + (reason or f"passed {len(cases)} cases"))
+    if status == "failed":  # result.use() hands the next cells the reference, not yours
+        print(f"   until {label} passes, the cells below run the course's {name}, not yours: "
+              "fix it and run this cell again")
     return CheckResult(name, status, reason, yours, reference)
 
 
@@ -323,6 +329,12 @@ def difference(got, want, atol=1e-5, rtol=1e-4) -> str:
     """Where and by how much `got` differs from `want`, and a guess at why."""
     if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
         return f"yours is {fmt(got)}, expected {fmt(want)}"
+    if not (got.is_floating_point() or want.is_floating_point()):  # ids, masks, counts
+        bad = got != want
+        idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.any() else ()
+        return (f"{int(bad.sum())} of {bad.numel()} entries differ; the first at "
+                f"[{', '.join(map(str, idx))}]: yours is {got[idx].item()}, expected "
+                f"{want[idx].item()}")
     g, w = got.detach().double(), want.detach().double()
     bad = ~torch.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True)
     idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.any() else ()
@@ -336,6 +348,10 @@ def difference(got, want, atol=1e-5, rtol=1e-4) -> str:
 
 
 def cause_of(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
+    blown = ~torch.isfinite(g) & torch.isfinite(w)
+    if blown.any():
+        return (f"{int(blown.sum())} of yours are inf or NaN where the expected values are "
+                "finite: an overflow (exp of a large number) or a log of 0 on the way?")
     finite = torch.isfinite(g) & torch.isfinite(w)
     if not finite.any():
         return ""
@@ -346,7 +362,7 @@ def cause_of(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
     if nz.any():
         ratio = g[nz] / w[nz]
         k = ratio.median()
-        if torch.allclose(g, w * k, rtol=rtol, atol=atol) and not math.isclose(k.item(), 1):
+        if torch.allclose(g, w * k, rtol=rtol, atol=atol) and abs(k.item() - 1) > 1e-3:
             return f"yours is {k.item():.4g} x the expected value everywhere (a wrong " \
                 "normaliser or a missing factor?)"
     d = (g - w).median()

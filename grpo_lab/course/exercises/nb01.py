@@ -11,7 +11,7 @@ from ... import objective
 from ...objective import position_ids_from_mask, token_logprobs
 from .. import steps
 from .base import CheckResult, Exercise, Mismatch, Mistake, expect, gen, run_check
-from .fixtures import drive, drive_sample_tokens
+from .fixtures import drive, drive_sample_tokens, tiny_model
 
 
 def check_position_ids_from_mask(fn: Callable) -> CheckResult:
@@ -101,6 +101,25 @@ SAMPLE_TOKENS_MISTAKES = (
 )
 
 
+def explain_sampled_shape(out: torch.Tensor, want: torch.Tensor) -> None:
+    """Mismatch where the learner's ids break a rule whatever the draws: padding after EOS,
+    stopping once every row is done."""
+    _, tokenizer = tiny_model()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    is_eos = (out == eos).long()
+    after_eos = (is_eos.cumsum(-1) - is_eos) > 0  # positions after a row's first EOS
+    rows = sorted({int(r) for r in (after_eos & (out != pad)).nonzero()[:, 0]})
+    if rows:
+        message = next(m.message for m in SAMPLE_TOKENS_MISTAKES
+                       if m.name == "no_padding_after_eos")
+        raise Mismatch(f"row(s) {rows}, EOS id {eos}, pad id {pad}: {message}")
+    n = want.shape[1]
+    if out.shape[1] > n and torch.equal(out[:, :n], want) and bool((out[:, n:] == pad).all()):
+        raise Mismatch(f"you returned {out.shape[1]} columns; every row had ended after {n} "
+                       "steps, where the reference stops: end the loop once every row has "
+                       "produced its EOS (the columns after it would be padding only)")
+
+
 def check_sample_tokens(fn: Callable) -> CheckResult:
     ref = steps.sample_tokens
 
@@ -110,6 +129,8 @@ def check_sample_tokens(fn: Callable) -> CheckResult:
             want = drive_sample_tokens(ref, seed, temperature)["ids"]
             if isinstance(out, torch.Tensor) and out.shape == want.shape and torch.equal(out, want):
                 return
+            if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[0] == want.shape[0]:
+                explain_sampled_shape(out, want)
             for mistake in SAMPLE_TOKENS_MISTAKES:
                 other = drive_sample_tokens(mistake.wrong, seed, temperature)["ids"]
                 if isinstance(out, torch.Tensor) and out.shape == other.shape and \

@@ -27,12 +27,28 @@ def check_group_advantages(fn: Callable) -> CheckResult:
                 if grouped.abs().max() > 1e-4 and want.view(-1, g).sum(-1).abs().max() < 1e-4:
                     raise Mismatch("your advantages do not sum to 0 within each group: "
                                    "subtract each group's own mean, not the batch mean")
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                    kw.get("scale_rewards", True) and not close(got, want):
+                grouped = rewards.view(-1, g)
+                centred = grouped - grouped.mean(dim=1, keepdim=True)
+                eps = kw.get("advantage_eps", 1e-4)
+                population = (centred / (grouped.std(dim=1, correction=0, keepdim=True) + eps))
+                floored = centred / grouped.std(dim=1, keepdim=True).clamp(min=eps)
+                if close(got, population.reshape(-1)):
+                    raise Mismatch(f"for rewards {rewards.tolist()} you divided by the "
+                                   "population std (over G): GRPO, like TRL, uses the sample "
+                                   "std with Bessel's correction, over G - 1, torch's default "
+                                   "`std()`")
+                if close(got, floored.reshape(-1)):
+                    raise Mismatch(f"for rewards {rewards.tolist()} you used advantage_eps as "
+                                   "a floor under the std (`clamp(min=eps)`): add it, std + "
+                                   "eps, so every group's scale moves by the same eps")
             expect(got, want, f"advantages for rewards {rewards.tolist()}")
         return run
 
     rnd = torch.rand(12, generator=gen(3))
     return run_check("group_advantages", fn, ref, [
-        ("a group whose rewards are all equal",
+        ("one group all equal, one mixed (G=4)",
          case(torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 1]), 4)),
         ("random rewards, G=4", case(rnd, 4)),
         ("binary rewards, G=4", case(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4)),

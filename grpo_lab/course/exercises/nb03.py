@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ... import naive, objective
+from ...numerics import K3_FLOOR
 from ...objective import clipped_surrogate, kl_k3, token_weights
 from .base import (
     CheckResult,
@@ -33,11 +34,12 @@ def check_kl_k3(fn: Callable) -> CheckResult:
 
     def run(f):
         got = f(logp.clone(), ref_logp.clone())
-        if isinstance(got, torch.Tensor) and got.shape == logp.shape and (got < -1e-6).any():
-            raise Mismatch("your k3 is negative somewhere; k3 = exp(r) - r - 1 with "
-                           "r = ref_logp - logp is never negative")
+        if isinstance(got, torch.Tensor) and got.shape == logp.shape and (got < K3_FLOOR).any():
+            raise Mismatch("your k3 is negative somewhere; k3 = exp(rho) - rho - 1 with "
+                           "rho = ref_logp - logp is never negative")
         if isinstance(got, torch.Tensor) and close(got, ref(ref_logp, logp)):
-            raise Mismatch("your log-ratio has the wrong sign: r = ref_logp - logp")
+            raise Mismatch("your log-ratio has the wrong sign: rho = ref_logp - logp, "
+                           "reference minus policy (k3 = exp(rho) - rho - 1)")
         if isinstance(got, torch.Tensor) and close(got, naive.report003_kl(logp, ref_logp)):
             raise Mismatch("this is report 003's 'fix' (ref_logp - logp).clamp(0, 10): it is "
                            "biased (notebook 09 measures it); k3 = exp(r) - r - 1 is not")
@@ -73,7 +75,7 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
             raise Mismatch("return (per_token_loss, region_clipped), a pair of (B, C) tensors")
         return got
 
-    def run(f, eps_low=0.2, eps_high=0.2):
+    def run(f, eps_low=0.2, eps_high=0.2, adv=adv):
         lp = logp.clone().requires_grad_(True)
         got = pair(f(lp, old.clone(), adv.clone(), eps_low, eps_high))
         want_loss, want_clipped = ref(logp, old, adv, eps_low, eps_high)
@@ -83,8 +85,22 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
             raise Mismatch("your clipped term multiplies the advantage by the clip range "
                            "(report 001's `clip_ratio * advantage`); clip the *ratio*: "
                            "clamp(r, 1 - eps_low, 1 + eps_high) * A")
+        if eps_high != eps_low and close(loss, ref(logp, old, adv, eps_low, eps_low)[0]) \
+                and not close(loss, want_loss):
+            raise Mismatch(f"the upper clip bound ignores eps_high: a token with A > 0 and r = "
+                           f"1.35 gets clip(r) = 1 + eps_low = {1 + eps_low:g}, expected 1 + "
+                           f"eps_high = {1 + eps_high:g}; clamp(r, 1 - eps_low, 1 + eps_high)")
         expect(loss, want_loss, f"the per-token loss (eps_low={eps_low}, eps_high={eps_high})")
         clipped = got[1]
+        r = (logp - old).exp()
+        sign_blind = (r < 1 - eps_low) | (r > 1 + eps_high)
+        if isinstance(clipped, torch.Tensor) and clipped.shape == sign_blind.shape and \
+                torch.equal(clipped.bool(), sign_blind) and not torch.equal(sign_blind,
+                                                                              want_clipped):
+            raise Mismatch("region_clipped marks every token outside [1 - eps_low, 1 + eps_high] "
+                           "whatever the sign of A: a token is clipped only where the clip "
+                           "changes its loss, r < 1 - eps_low with A < 0 and r > 1 + eps_high "
+                           "with A > 0")
         expect(clipped.bool() if isinstance(clipped, torch.Tensor) else clipped, want_clipped,
                 "region_clipped")
         requires_grad(got[0], "your per-token loss")
@@ -124,7 +140,8 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
 
     return run_check("clipped_surrogate", fn, ref, [
         ("ratios inside and outside [0.8, 1.2], both signs of A", run),
-        ("asymmetric clip range (eps_high = 0.28)", lambda f: run(f, 0.2, 0.28)),
+        # A > 0 where r = 1.35: the upper bound acts, and eps_high decides where
+        ("asymmetric clip range (eps_high = 0.28)", lambda f: run(f, 0.2, 0.28, adv=-adv)),
         ("ratio 1 when the policy has not moved", reference_ratio),
         ("a ratio exactly on the clip bound (eps = 0, r = 1)", on_the_bound),
         ("log_ratio_clamp bounds the log-ratio before exp", clamp),
@@ -145,11 +162,25 @@ def check_token_weights(fn: Callable) -> CheckResult:
                 raise Mismatch(f"you divided by the tensor's width ({mask.shape[1]}); "
                                f"divide by max_completion_length ({cap}), the cap: the weights "
                                "must not depend on how far this batch happens to be padded")
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                rows = [i for i in range(mask.shape[0]) if not torch.isfinite(got[i]).all()]
+                if rows:
+                    raise Mismatch(f"{loss_type}: your weights are NaN or inf on row(s) {rows} "
+                                   f"(lengths {mask.sum(-1).tolist()}): a row with no "
+                                   "completion tokens divides 0 by 0; count a length of at "
+                                   "least 1 there (its weights are 0 anyway)")
+                if loss_type == "grpo" and close(got, mask.float() / mask.numel()):
+                    raise Mismatch("grpo: you divided every token by B x C, all positions of "
+                                   "the padded batch: grpo averages each completion over its "
+                                   "own length, then over the B completions, mask / "
+                                   "(length of its row x B)")
             if isinstance(got, torch.Tensor) and got.shape == want.shape and not close(
                 got.sum(), want.sum()
             ):
                 raise Mismatch(f"{loss_type}: your weights sum to {float(got.sum()):.4f}, "
-                               f"expected {float(want.sum()):.4f}")
+                               f"expected {float(want.sum()):.4f} (each non-empty row's weights "
+                               "sum to 1/B for grpo; every real token weighs the same for bnpo "
+                               "and dapo; dr_grpo divides by B x the cap)")
             expect(got, want, f"{loss_type} weights for lengths [3, 1, 5, 0], cap {cap}")
         return run
 
