@@ -24,11 +24,13 @@ size (a sum of squares) are where it is weakest, so use it there with room to sp
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 from .fast import fused_adamw
+from .objective import completion_logprobs
 
 UNIT_ROUNDOFF = 2.0**-24  # float32: half the distance from 1 to the next float
 LAMBDA = 9.0
@@ -118,3 +120,24 @@ def adamw_first_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Ten
         leaf.grad = grads[name].clone()
     fused_adamw(list(leaves.values()), torch.device("cpu"), **adamw_args).step()
     return {n: p.detach() for n, p in leaves.items()}
+
+
+def float64_logprobs(model, input_ids, attention_mask, completion_length: int,
+                     temperature: float = 1.0, logit_clamp: float | None = None) -> torch.Tensor:
+    """(B, C) log-probs of the completion tokens from a float64 copy of `model` (the same
+    weights, widened): the truth that two float32 computations of the same log-probs (the
+    sampler's and a training forward's) are each held to, with as_accurate_bound."""
+    twin = copy.deepcopy(model).double()
+    with torch.no_grad():
+        return completion_logprobs(twin, input_ids, attention_mask, completion_length,
+                                   temperature, logit_clamp)
+
+
+def logprob_allowance(plain: torch.Tensor, truth: torch.Tensor, mask: torch.Tensor) -> float:
+    """How far from `truth` (float64_logprobs) on the `mask`ed tokens a float32 computation of
+    those log-probs may be that is as accurate as `plain`, another float32 computation of them
+    (the sampler's, say): as_accurate_bound of plain's error, at the log-probs' scale."""
+    m = mask.bool()
+    return as_accurate_bound((plain.double() - truth)[m].abs().max().item(),
+                             truth[m].abs().max().item())
+
