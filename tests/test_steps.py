@@ -202,16 +202,18 @@ def test_a_guarded_update_that_reduces_the_norm_its_own_way_passes():
         params = [p for p in run.policy.parameters() if p.grad is not None]
         grad_norm = torch.cat([p.grad.flatten() for p in params]).double().norm().item()
         skip = not math.isfinite(grad_norm) or (
-            len(run.recent_grad_norms) >= 5 and grad_norm > cfg.spike_skip_factor
+            cfg.spike_skip_factor is not None and len(run.recent_grad_norms) >= 5
+            and grad_norm > cfg.spike_skip_factor
             * sorted(run.recent_grad_norms)[len(run.recent_grad_norms) // 2])
         if math.isfinite(grad_norm):
             run.recent_grad_norms.append(grad_norm)
         if skip:
             run.optimizer.zero_grad(set_to_none=True)
             return grad_norm, 1
-        scale = min(1.0, cfg.max_grad_norm / (grad_norm + 1e-6))
-        for p in params:
-            p.grad.mul_(scale)
+        if cfg.max_grad_norm is not None:
+            scale = min(1.0, cfg.max_grad_norm / (grad_norm + 1e-6))
+            for p in params:
+                p.grad.mul_(scale)
         run.optimizer.step()
         return grad_norm, 0
 

@@ -154,18 +154,21 @@ def drive_update(fn, seed: int = 0, **overrides) -> dict:
 
 
 @reuses_known_results
-def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False) -> dict:
+def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False,
+                  **overrides) -> dict:
     """A guarded update on the fixture (stale gradients of norm ~45, max_grad_norm 1,
-    spike factor 20), with `recent` as the known grad norms and, with nan_grad, one NaN
-    gradient entry."""
-    run = fixture_run(seed)
+    spike factor 20, unless `overrides` say otherwise), with `recent` as the known grad norms
+    and, with nan_grad, one NaN gradient entry. 'cleared': no gradient left after it."""
+    run = fixture_run(seed, **overrides)
     run.recent_grad_norms.extend(recent)
     if nan_grad:
         next(iter(run.policy.parameters())).grad[0, 0] = float("nan")
     before = flat_params(run.policy)
     out = fn(run)
+    cleared = all(p.grad is None or not bool(p.grad.nan_to_num(1.0).any())
+                  for p in run.policy.parameters())
     return {"update": (flat_params(run.policy) - before).nan_to_num(1e9), "out": out,
-            "recent": [float(x) for x in run.recent_grad_norms]}
+            "recent": [float(x) for x in run.recent_grad_norms], "cleared": cleared}
 
 
 @reuses_known_results
@@ -221,16 +224,18 @@ def drive_logprobs(fn, seed: int = 0, temperature: float = 0.7) -> dict:
     return {"logp": out, "requires_grad": bool(getattr(out, "requires_grad", False))}
 
 
-def loss_case(seed: int, drift: float = 0.0, **overrides):
+def loss_case(seed: int, drift: float = 0.0, old_drift: float = 0.0, **overrides):
     """A batch of 8 completions of up to 5 tokens; `drift` moves the reference's log-probs
-    down by that much per token (a summed log-ratio of up to 5 x drift). Returns the config,
-    a loss's five tensor arguments (the token weights of the batch's mask fifth), the mask."""
+    down by that much per token (a summed log-ratio of up to 5 x drift), `old_drift` pi_old's
+    (a later pass of mu > 1, far from the sampler). Returns the config, a loss's five tensor
+    arguments (the token weights of the batch's mask fifth), the mask."""
     cfg = fixture_cfg(seed, **overrides)
     g = gen(seed)
     B, C = 8, 5
     old_logp = -torch.rand(B, C, generator=g) * 3
     logp = (old_logp + torch.randn(B, C, generator=g) * 0.4).requires_grad_()
     ref_logp = old_logp + torch.randn(B, C, generator=g) * 0.3 - drift
+    old_logp = old_logp - old_drift
     lengths = torch.randint(1, C + 1, (B,), generator=g)
     mask = (torch.arange(C)[None] < lengths[:, None]).long()
     advantages = torch.randn(B, generator=g)
@@ -239,10 +244,11 @@ def loss_case(seed: int, drift: float = 0.0, **overrides):
 
 
 @reuses_known_results
-def drive_loss(fn, seed: int = 0, drift: float = 0.0, **overrides) -> dict:
+def drive_loss(fn, seed: int = 0, drift: float = 0.0, old_drift: float = 0.0,
+               **overrides) -> dict:
     """The loss and its gradient with respect to logp. The advantages come in as a tensor
     that carries a gradient (as if a graph had computed them): none may flow into them."""
-    cfg, args, mask = loss_case(seed, drift, **overrides)
+    cfg, args, mask = loss_case(seed, drift, old_drift, **overrides)
     advantages = args[3].clone().requires_grad_()
     out = fn(*args[:3], advantages, args[4], cfg)
     if not (isinstance(out, tuple) and len(out) == 2):
@@ -350,11 +356,20 @@ def check_loss(name: str, fn: Callable, ref: Callable, cases: list[tuple[str, di
                 raise Mismatch(f"stats[{out['tensor_stats'][0]!r}] is a tensor: return a plain "
                                "Python number (`.item()`); the step puts the stats into its "
                                "metrics, which are written as JSON")
+        return run
+
+    def stats_case(params):
+        def run(f):
+            out, want = drive(f, drive_loss, **params), drive_loss(ref, **params)
             for key in stats:
                 check_stat(out["stats"], want["stats"], key, params, stats_mistakes)
         return run
 
-    return run_check(name, fn, ref, [(what, case(params)) for what, params in cases])
+    # every case's loss first, then the stats: a mistake in the loss is named as such even
+    # where a later case shows it
+    return run_check(name, fn, ref, [(what, case(params)) for what, params in cases]
+                     + [(f"{what}: the stats", stats_case(params)) for what, params in cases
+                        if stats])
 
 
 def check_stat(got: dict, want: dict, key: str, params: dict,

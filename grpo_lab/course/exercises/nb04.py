@@ -62,6 +62,10 @@ def check_addition_reward(fn: Callable) -> CheckResult:
         ("exact answers", case(["46", "7"], ["46", "7"], "rewards for right answers")),
         ("wrong answers", case(["45", "", "4"], ["46", "0", "46"], "rewards for wrong answers")),
         ("surrounding spaces", case([" 46", "46 "], ["46", "46"], "rewards with spaces")),
+        ("the answer inside a longer completion", case(
+            ["146", "467", "46 7", "4"], ["46", "46", "46", "46"],
+            "rewards for completions that contain or start with the answer: only the whole "
+            "completion, stripped, equal to the answer scores 1.0 ('146' is not 46)")),
         ("extra columns in **kwargs", case(["1"], ["1"], "rewards")),
         ("a completion cut off at max_new_tokens", case(
             ["46", "46", "12   "], ["46", "46", "12"],
@@ -406,6 +410,9 @@ def check_grpo_loss(fn: Callable) -> CheckResult:
         ("loss_type grpo", dict(seed=0)), ("loss_type dr_grpo", dict(seed=1, loss_type="dr_grpo")),
         ("loss_type dapo, beta 0.2", dict(seed=2, loss_type="dapo", beta=0.2)),
         ("asymmetric clip 0.2 / 0.28", dict(seed=3, epsilon_high=0.28)),
+        # a later pass of mu > 1 with pi_old 5 nats per token away: the clamp at 2 binds
+        ("log_ratio_clamp 2, pi_old far away",
+         dict(seed=4, log_ratio_clamp=2.0, old_drift=5.0)),
     ], GRPO_LOSS_MISTAKES, stats=("kl", "clip_ratio/region_mean"),
         stats_mistakes=GRPO_LOSS_STATS_MISTAKES)
 
@@ -421,6 +428,9 @@ def check_apply_update(fn: Callable) -> CheckResult:
             got = out["out"]
             if not (isinstance(got, tuple) and len(got) == 2):
                 raise Mismatch(f"return (grad_norm, skipped); got {type(got).__name__}")
+            if isinstance(got[0], torch.Tensor):
+                raise Mismatch("the grad norm is a tensor: return a Python float (`.item()`); "
+                               "the step puts it into its metrics, which are written as JSON")
             named = None
             if isinstance(got[0], (int, float)) and abs(got[0] - want["out"][0]) > 1e-4 * abs(want["out"][0]):
                 named = which_mistake(torch.tensor([float(got[0])]), APPLY_UPDATE_MISTAKES,
@@ -437,6 +447,8 @@ def check_apply_update(fn: Callable) -> CheckResult:
     return run_check("apply_update", fn, ref, [
         ("stale gradients of norm ~ 40, clipped to 1", case(0)),
         ("no clipping configured (max_grad_norm None)", case(1, max_grad_norm=None)),
+        ("a norm of ~ 40 under max_grad_norm 100: left as it is, not scaled up",
+         case(0, max_grad_norm=100.0)),
     ])
 
 
@@ -476,6 +488,8 @@ def check_grpo_step(fn: Callable) -> CheckResult:
          case(1, temperature=0.7, loss_type="dr_grpo", scale_rewards=False)),
         ("completions cut at 2 tokens (truncated ones score 0)", case(2, max_new_tokens=2)),
         ("top_k 2 and top_p 0.8 in the config", case(3, top_k=2, top_p=0.8)),
+        ("2 prompts x 4 completions: groups of G = 4, not of prompts_per_step",
+         case(4, prompts_per_step=2)),
     ])
 
 

@@ -30,6 +30,9 @@ def check_first_nonfinite_step(fn: Callable) -> CheckResult:
     spike_then_nan = healthy[:3] + [{"step": 4, "grad_norm": 1e6, "nonfinite_params": 0},
                                     {"step": 5, "grad_norm": nan, "nonfinite_params": 7}]
     with_eval = [{"step": 0, "eval/accuracy": 0.4}] + broken
+    # a guard skipped step 3's NaN update: its grad norm is NaN, its parameters stayed finite
+    skipped_nan = healthy[:2] + [{"step": 3, "grad_norm": nan, "nonfinite_params": 0,
+                                  "skipped": 1}] + healthy[3:]
 
     def case(history, what):
         def run(f):
@@ -42,6 +45,10 @@ def check_first_nonfinite_step(fn: Callable) -> CheckResult:
         ("a spike before the NaN", case(spike_then_nan,
                                         "the first bad step (a spike is not yet corruption)")),
         ("an eval-only row at step 0", case(with_eval, "the first bad step")),
+        ("a NaN gradient that was skipped", case(skipped_nan,
+                                                 "the first step with non-finite parameters "
+                                                 "(a skipped NaN update left them finite: "
+                                                 "read nonfinite_params, not grad_norm)")),
     ])
 
 
@@ -87,7 +94,9 @@ def check_reported_loss(fn: Callable) -> CheckResult:
     return check_loss("reported_loss", fn, steps.reported_loss, [
         ("the reports' config (beta 0.05)", dict(seed=0, beta=0.05)),
         ("another batch, beta 0", dict(seed=1, beta=0.0)),
-    ], REPORTED_LOSS_MISTAKES)
+        ("an asymmetric clip 0.2 / 0.28 (the constant is eps_low's)",
+         dict(seed=2, epsilon_high=0.28)),
+    ], REPORTED_LOSS_MISTAKES, stats=("kl", "log_ratio/max_abs"))
 
 
 def history_row(step, **kw):
@@ -108,6 +117,10 @@ def check_diagnose(fn: Callable) -> CheckResult:
     # resumed from a checkpoint whose weights were already non-finite: no healthy row at all
     broken_from_start = [history_row(7, grad_norm=nan, nonfinite_params=800),
                          history_row(8, grad_norm=nan, nonfinite_params=800)]
+    # a guard skipped step 1's NaN update; the weights stayed finite, the run went on
+    skipped_nan = [history_row(0), history_row(1, grad_norm=nan, nonfinite_params=0, skipped=1),
+                   history_row(2, grad_norm=3.0, nonfinite_params=0),
+                   history_row(3, grad_norm=1.0, nonfinite_params=0)]
 
     def case(history, what):
         def run(f):
@@ -127,6 +140,9 @@ def check_diagnose(fn: Callable) -> CheckResult:
                             "broke is where exp overflowed, not the drift before it)",
                             "last_healthy_step": " (the step before the first broken one; None "
                             "when no row before it was healthy)"}
+                    if g is None and v == 0.0:
+                        hint = {k: " (no row has it: the largest of nothing is 0.0 here, "
+                                "max(..., default=0.0))"}
                     raise Mismatch(f"{what}: {k} is {g!r}, expected {v!r}{hint.get(k, '')}")
         return run
 
@@ -135,6 +151,8 @@ def check_diagnose(fn: Callable) -> CheckResult:
         ("a run that never broke", case(healthy, "a run that never broke")),
         ("a run broken from its first row (resumed from bad weights)",
          case(broken_from_start, "a run broken from its first row")),
+        ("a NaN update that was skipped, the weights still finite",
+         case(skipped_nan, "a run whose NaN update was skipped")),
     ])
 
 

@@ -135,6 +135,15 @@ def check_should_skip(fn: Callable) -> CheckResult:
                                  "`if grad_norm > 10` let the NaN update through)")),
         ("an inf grad norm", same(float("inf"), steady, 20.0, "grad_norm inf",
                                   "skip any non-finite norm")),
+        ("an inf grad norm with 2 recent norms", same(float("inf"), [1.0, 1.0], 20.0,
+                                                      "grad_norm inf, 2 recent norms",
+                                                      "a non-finite norm is skipped however "
+                                                      "short the history: math.isfinite, "
+                                                      "before the spike rule")),
+        ("a spike once exactly 5 norms are known", same(100.0, [1.0] * 5, 20.0,
+                                                        "grad_norm 100, 5 recent norms of 1",
+                                                        "the spike rule applies from 5 recent "
+                                                        "norms on: len(recent) >= 5")),
         ("a spike 100x the median", same(100.0, steady, 20.0, "grad_norm 100, median 1")),
         ("3x the median with factor 20 is kept", same(3.0, steady, 20.0, "grad_norm 3, median 1")),
         ("a larger model: recent norms near 40, a norm of 50 is kept",
@@ -186,7 +195,7 @@ def check_clamped_reported_loss(fn: Callable) -> CheckResult:
         ("clamp 1.0, another batch", dict(seed=1, log_ratio_clamp=1.0)),
         ("a reference 30 nats per token away: summed log-ratios past exp's overflow (88.7)",
          dict(seed=2, log_ratio_clamp=10.0, drift=30.0)),
-    ], CLAMPED_REPORTED_LOSS_MISTAKES)
+    ], CLAMPED_REPORTED_LOSS_MISTAKES, stats=("kl", "log_ratio/max_abs"))
 
 
 # guarded_update's known mistakes: each is an update of (run) -> (grad_norm, skipped)
@@ -268,7 +277,13 @@ def check_guarded_update(fn: Callable) -> CheckResult:
     def case(what: str, **params):
         def run(f):
             out, want = drive(f, drive_guarded, **params), drive_guarded(ref, **params)
-            if not isinstance(out.get("update"), torch.Tensor) or same(out, want):
+            if isinstance(out.get("update"), torch.Tensor) and same(out, want):
+                if want["out"][1] == 1 and not out["cleared"]:
+                    raise Mismatch(f"{what}: the skipped update left its gradients in .grad: "
+                                   "clear them (run.optimizer.zero_grad()) when you skip, or "
+                                   "the next step adds this bad gradient to its own")
+                return None
+            if not isinstance(out.get("update"), torch.Tensor):
                 return expect(out.get("update"), want["update"], "the parameter update")
             for mistake in GUARDED_UPDATE_MISTAKES:
                 if same(out, drive_guarded(mistake.wrong, **params)):
@@ -292,6 +307,11 @@ def check_guarded_update(fn: Callable) -> CheckResult:
         ("a NaN gradient entry: skip", case("NaN", seed=1, recent=(40.0,) * 6, nan_grad=True)),
         ("a spike with only 3 known norms: not yet a spike",
          case("short history", seed=1, recent=(1.0,) * 3)),
+        ("4 known norms of 1 and a norm of 45: the median is of the earlier norms only",
+         case("4 known norms", seed=0, recent=(1.0,) * 4)),
+        ("no clipping and no spike rule configured (both None)",
+         case("guards off", seed=0, recent=(1.0,) * 6, max_grad_norm=None,
+              spike_skip_factor=None)),
     ])
 
 

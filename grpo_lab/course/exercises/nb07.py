@@ -48,12 +48,23 @@ def check_nonfinite_params(fn: Callable) -> CheckResult:
             expect(got, want, f"{what}: the count")
         return run
 
+    def two_in_one_tensor(f):
+        model = model_with({})
+        with torch.no_grad():
+            model[0].weight.view(-1)[:2] = float("nan")
+        got = f(model)
+        if got == 1:
+            raise Mismatch("two NaN entries in one weight counted as 1: count the non-finite "
+                           "entries, not the tensors that hold one")
+        expect(got, nonfinite_params(model), "two NaN entries in one weight: the count")
+
     inf, nan = float("inf"), float("nan")
     return run_check("nonfinite_params", fn, nonfinite_params, [
         ("a healthy model", case({}, "a healthy model")),
         ("one NaN weight", case({"0.weight": nan}, "one NaN")),
         ("NaN and inf in different layers",
          case({"0.weight": nan, "1.bias": inf, "1.weight": -inf}, "NaN and +-inf")),
+        ("two NaN entries in one weight", two_in_one_tensor),
     ])
 
 
@@ -91,11 +102,13 @@ def _check_fault(fault: str) -> None:
 
 @reuses_known_results
 def drive_health_check(fn, seed: int = 0, fault: str = "nan-params", at: int = 3,
-                       n_steps: int = 4, snapshot_every: int = 1) -> dict:
+                       n_steps: int = 4, snapshot_every: int = 1, again: int | None = None) -> dict:
     """n_steps fake steps: fresh random gradients (for 'nan-grads' one NaN entry at step
     `at`), steps.apply_update (clipping spreads a NaN to every gradient, SGD into every weight
-    and its momentum), a NaN / inf written into a weight after the update of step `at` for
-    'nan-params' / 'inf-params', then `fn(run)`, the health check; then one clean update."""
+    and its momentum), a NaN / inf written into a weight after the update of step `at` (and of
+    step `again`, a second rollback to the same snapshot) for 'nan-params' / 'inf-params',
+    then `fn(run)`, the health check; then one clean update. 'step_count': the run's at the
+    end (a rollback restores weights and optimizer, not the count of finished steps)."""
     _check_fault(fault)
     run = _health_run(seed, snapshot_every)
     g = gen(3000 + seed)
@@ -105,13 +118,13 @@ def drive_health_check(fn, seed: int = 0, fault: str = "nan-params", at: int = 3
         if fault == "nan-grads" and step == at:
             next(run.policy.parameters()).grad.view(-1)[0] = float("nan")
         steps.apply_update(run)
-        if fault in PARAM_FAULTS and step == at:
+        if fault in PARAM_FAULTS and step in (at, again):
             _poison(run, fault)
         returns.append(fn(run))
         run.step_count += 1  # what the step does after update_fn returns
     _fresh_gradients(run, g)
     steps.apply_update(run)  # the optimizer state the check left behind acts here
-    return {"params": flat_params(run.policy), "returns": returns}
+    return {"params": flat_params(run.policy), "returns": returns, "step_count": run.step_count}
 
 
 @reuses_known_results
@@ -225,6 +238,10 @@ def check_health_check(fn: Callable) -> CheckResult:
             compare_all(vector(out), vector(want), "the parameters after the steps (and what "
                          "your check returned)", HEALTH_CHECK_MISTAKES,
                         lambda m: vector(drive_health_check(m, **params)), returns)
+            if out.get("step_count") != want["step_count"]:
+                raise Mismatch(f"run.step_count is {out.get('step_count')}, expected "
+                               f"{want['step_count']}: a rollback restores the weights and the "
+                               "optimizer's state, not the count of finished steps; leave it")
         return run
 
     return run_check("health_check", fn, ref, [
@@ -232,6 +249,9 @@ def check_health_check(fn: Callable) -> CheckResult:
          case(seed=0, fault="nan-params", at=3, n_steps=4, snapshot_every=1)),
         ("an inf written into a weight at step 3 of 4",
          case(seed=1, fault="inf-params", at=3, n_steps=4, snapshot_every=1)),
+        ("NaN weights at steps 6 and 7 of 8, a snapshot every 4 steps: two rollbacks to the "
+         "same snapshot, so it must not change between them (copy the optimizer's state)",
+         case(seed=3, fault="nan-params", at=6, again=7, n_steps=8, snapshot_every=4)),
         ("a NaN gradient entry at step 7 of 8, a snapshot every 4 steps: clipping spreads it "
          "to every weight and into the optimizer's momentum",
          case(seed=2, fault="nan-grads", at=7, n_steps=8, snapshot_every=4)),

@@ -111,7 +111,7 @@ def check_report003_loss(fn: Callable) -> CheckResult:
     return check_loss("report003_loss", fn, steps.report003_loss, [
         ("beta 0.3", dict(seed=0, beta=0.3)),
         ("beta 1.0, loss_type dapo", dict(seed=1, beta=1.0, loss_type="dapo")),
-    ], REPORT003_LOSS_MISTAKES)
+    ], REPORT003_LOSS_MISTAKES, stats=("kl", "kl_k3"))
 
 
 def reference_estimator_expected_gradient(estimator: Callable, logits: torch.Tensor,

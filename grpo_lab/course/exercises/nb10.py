@@ -13,7 +13,7 @@ from ...sampling import (
 )
 from .. import steps
 from .base import CheckResult, Exercise, Mismatch, expect, gen, run_check
-from .fixtures import drive, drive_sample
+from .fixtures import drive, drive_sample, tiny_model
 
 
 def check_sanitize_logits(fn: Callable) -> CheckResult:
@@ -43,6 +43,11 @@ def check_sanitize_logits(fn: Callable) -> CheckResult:
          same(torch.tensor([[inf, 0.0, 1.0]], dtype=torch.float16), "float16 logits")),
         ("a row of NaN must raise ValueError",
          refuses(torch.tensor([[0.0, 1.0, 2.0], [nan, nan, nan]]), "a row of NaN")),
+        ("-inf stays -inf (a token the model rules out)",
+         same(torch.tensor([[2.0, -inf, -1.0]]), "logits with -inf: -inf is a valid logit "
+              "(probability 0), leave it; only NaN and +inf are replaced, and")),
+        ("a row of -inf must raise ValueError",
+         refuses(torch.tensor([[0.0, 1.0, 2.0], [-inf, -inf, -inf]]), "a row of -inf")),
     ])
 
 
@@ -137,6 +142,11 @@ def check_safe_sample(fn: Callable) -> CheckResult:
             raise Mismatch("the bad pad id reached the embedding (IndexError on CPU, a "
                            "device-side assert on CUDA): check the ids before the forward, "
                            "and name the id and the table's size in the error")
+        rows = tiny_model()[0].get_input_embeddings().num_embeddings
+        if not out["error"].startswith("ValueError") or str(rows) not in out["error"]:
+            raise Mismatch(f"the bad pad id was refused with {out['error'][:120]!r}: raise a "
+                           f"ValueError (bad input, not a crash) that names the id and the "
+                           f"embedding's size ({rows} rows), so the user knows what to fix")
 
     return run_check("safe_sample", fn, ref, [
         ("a healthy model, seed 0", healthy(0)), ("a healthy model, seed 1", healthy(1)),

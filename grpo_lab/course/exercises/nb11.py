@@ -46,6 +46,10 @@ ACCUMULATION_FOR_BUDGET = Exercise(
              (7, 2.5, 2.5), hint="k = rows: one row each"),
         Case("8 rows at 5 MiB/row, budget 4 MiB: one row too big", (8, 5.0, 4.0),
              hint="no number of micro-batches makes one row smaller"),
+        Case("10 rows at 1 MiB/row, budget 3.5 MiB: the largest micro-batch is what must fit",
+             (10, 1.0, 3.5), hint="ceil(10 MiB / 3.5 MiB) = 3 micro-batches hold 4, 3 and 3 "
+             "rows, and 4 MiB does not fit: size the largest micro-batch, ceil(rows / k) rows, "
+             "not the total over the budget"),
     ),
     mistakes=(
         Mistake("floor_division", partial(_first_k_that_fits, fits=lambda n, k, m, b:
@@ -111,6 +115,9 @@ def check_compare_histories(fn: Callable) -> CheckResult:
         ("steps matched by 'step', a NaN in both", case(a, b, ("reward", "loss", "eval/accuracy"),
                                                         "two runs")),
         ("NaN in one run only, a key one row lacks", case(a, c, ("reward", "loss"), "other runs")),
+        ("no step where both runs have the key", case(a[:1], c, ("eval/accuracy",),
+                                                       "runs that share no step for the key: "
+                                                       "the difference is 0.0 (nothing to compare)")),
     ])
 
 

@@ -68,26 +68,40 @@ def check_rank_token_weights(fn: Callable) -> CheckResult:
     ref = reference_rank_token_weights
     g = gen(12)
 
-    def case(loss_type, rows, world):
+    def case(loss_type, rows, world, cap=5, lengths=None):
         def run(f):
-            lengths = torch.randint(0, 6, (rows * world,), generator=g)
+            nonlocal lengths
+            if lengths is None:
+                lengths = torch.randint(0, 6, (rows * world,), generator=g)
             mask = (torch.arange(5)[None] < lengths[:, None]).long()  # (rows * world, 5)
             total = float(mask.sum())
-            whole = token_weights(mask, loss_type, 5)
+            whole = token_weights(mask, loss_type, cap)
             parts = []
             for r in range(world):
                 local = mask[r * rows:(r + 1) * rows]
-                got = f(local, loss_type, 5, rows * world, total)
-                expect(got, ref(local, loss_type, 5, rows * world, total),
-                        f"rank {r}'s weights ({loss_type}, {world} ranks)")
+                got = f(local, loss_type, cap, rows * world, total)
+                expect(got, ref(local, loss_type, cap, rows * world, total),
+                        f"rank {r}'s weights ({loss_type}, {world} ranks, "
+                        f"max_completion_length {cap}, row lengths {lengths.tolist()})")
                 parts.append(got)
             expect(torch.cat(parts), whole, "the ranks' weights put together (they must be "
                     "the one-process weights)")
         return run
 
+    def unknown(f):
+        try:
+            got = f(torch.ones(2, 5, dtype=torch.long), "sum", 5, 4, 10.0)
+        except ValueError:
+            return
+        raise Mismatch(f"loss_type='sum' returned {type(got).__name__}; raise ValueError for a "
+                       "loss_type you do not know (as token_weights does)")
+
     return run_check("rank_token_weights", fn, ref, [
-        (f"{t}, {w} ranks of {r} rows (some rows empty)", case(t, r, w))
-        for t, r, w in (("grpo", 3, 2), ("dr_grpo", 2, 3), ("bnpo", 4, 2), ("dapo", 3, 2))])
+        (f"{t}, {w} ranks of {r} rows", case(t, r, w))
+        for t, r, w in (("grpo", 3, 2), ("dr_grpo", 2, 3), ("bnpo", 4, 2), ("dapo", 3, 2))] + [
+        ("grpo with empty rows", case("grpo", 2, 2, lengths=torch.tensor([3, 0, 0, 2]))),
+        ("dr_grpo with a cap of 8 above the batch's 5 columns", case("dr_grpo", 2, 2, cap=8)),
+        ("an unknown loss_type", unknown)])
 
 
 # --- the notebook's exercises, in its order -------------------------------------------------
