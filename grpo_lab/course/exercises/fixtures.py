@@ -307,6 +307,10 @@ def where_the_loss_differs(out: dict, want: dict) -> str:
     g, w = out["grad"].double(), want["grad"].double()
     if g.shape != w.shape:
         return f"the gradient has shape {tuple(g.shape)}, expected {tuple(w.shape)}"
+    if parts and torch.allclose(out["loss"].double(), -want["loss"].double(), **STEP_TOL) \
+            and torch.allclose(g, -w, **STEP_TOL):
+        return (f"{parts[0]}: the loss and its gradient have the opposite sign everywhere; a "
+                "loss is minimised, so it is minus the objective")
     bad = ~torch.isclose(g, w, equal_nan=True, **STEP_TOL)
     if bad.any():
         row, tok = (int(i) for i in bad.nonzero()[0])

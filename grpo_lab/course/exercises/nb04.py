@@ -324,6 +324,25 @@ def _logprobs_at_one(model, ids, mask, C, temperature):
     return completion_logprobs(model, ids, mask, C, 1.0)
 
 
+def _temperature_multiplied(model, ids, mask, C, temperature):
+    return completion_logprobs(model, ids, mask, C, 1.0 / temperature)
+
+
+def _temperature_after_log_softmax(model, ids, mask, C, temperature):
+    return completion_logprobs(model, ids, mask, C, 1.0) / temperature
+
+
+def _no_attention_mask(model, ids, mask, C, temperature):
+    logits = model(input_ids=ids, position_ids=position_ids_from_mask(mask)).logits
+    return token_logprobs(logits[:, -C - 1:-1] / temperature, ids[:, -C:])
+
+
+def _positions_from_one(model, ids, mask, C, temperature):
+    logits = model(input_ids=ids, attention_mask=mask,
+                   position_ids=position_ids_from_mask(mask) + mask.long()).logits
+    return token_logprobs(logits[:, -C - 1:-1] / temperature, ids[:, -C:])
+
+
 COMPLETION_LOGPROBS_MISTAKES = (
     Mistake("no_position_ids", _no_position_ids,
             "no position ids: with left padding a row's first real token sits at position "
@@ -334,6 +353,18 @@ COMPLETION_LOGPROBS_MISTAKES = (
     Mistake("temperature_ignored", _logprobs_at_one,
             "the temperature is missing: divide the logits by it before the log-softmax, as "
             "the sampler does"),
+    Mistake("temperature_multiplied", _temperature_multiplied,
+            "the logits are multiplied by the temperature: the sampler draws from "
+            "softmax(logits / temperature), so divide"),
+    Mistake("temperature_after_log_softmax", _temperature_after_log_softmax,
+            "the temperature divides the log-probs after the log-softmax: divide the logits "
+            "before it, log_softmax(logits / T); the other way is not a distribution"),
+    Mistake("no_attention_mask", _no_attention_mask,
+            "no attention mask: the left padding is attended to as if it were text; pass "
+            "`attention_mask` to the model"),
+    Mistake("positions_from_one", _positions_from_one,
+            "the position ids start at 1: a row's first real token is position 0, "
+            "cumsum(mask) - 1 (position_ids_from_mask)"),
 )
 
 

@@ -31,10 +31,18 @@ def check_shard_rows(fn: Callable) -> CheckResult:
                 got = f(prompts, group_size, rank, world_size)
                 want = list(ref(prompts, group_size, rank, world_size))
                 if list(got) != want:
-                    shown = list(got)[:8]
+                    got = list(got)
+                    diff = (f"{len(got)} rows, expected {len(want)}" if len(got) != len(want)
+                            else "")
+                    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+                    if first is not None:
+                        diff = (diff + "; " if diff else "") + \
+                            f"the first that differs is entry {first}: {got[first]}, expected {want[first]}"
                     raise Mismatch(f"{prompts} prompts x G={group_size} on {world_size} ranks, "
-                                   f"rank {rank}: you returned rows {shown}, expected "
-                                   f"{want[:8]}" + (f"; {hint}" if hint else ""))
+                                   f"rank {rank}: you returned rows {got[:8]}"
+                                   f"{'...' if len(got) > 8 else ''}, expected {want[:8]}"
+                                   f"{'...' if len(want) > 8 else ''} ({diff})"
+                                   + (f"; {hint}" if hint else ""))
         return case
 
     def refuses(f):
