@@ -25,6 +25,7 @@ size (a sum of squares) are where it is weakest, so use it there with room to sp
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
@@ -140,4 +141,16 @@ def logprob_allowance(plain: torch.Tensor, truth: torch.Tensor, mask: torch.Tens
     m = mask.bool()
     return as_accurate_bound((plain.double() - truth)[m].abs().max().item(),
                              truth[m].abs().max().item())
+
+
+def float64_gradients(trainer, batch) -> list[torch.Tensor]:
+    """The gradient of `batch`'s loss for each of `trainer`'s parameters, from a float64 copy
+    of the trainer (the same weights, config and batch; pi_old from its own forward, as on a
+    first pass): the truth float32 gradients (whole batch or accumulated, fast or plain
+    forward) are held to with as_accurate_bound. Neither `trainer` nor `batch` changes."""
+    twin = copy.deepcopy(trainer)
+    twin.policy.double()
+    twin.optimizer.zero_grad(set_to_none=True)
+    twin.backward(dataclasses.replace(batch, old_logp=None))
+    return [torch.zeros_like(p) if p.grad is None else p.grad for p in twin.policy.parameters()]
 

@@ -32,12 +32,10 @@ def check_shard_rows(fn: Callable) -> CheckResult:
                 want = list(ref(prompts, group_size, rank, world_size))
                 if list(got) != want:
                     got = list(got)
-                    diff = (f"{len(got)} rows, expected {len(want)}" if len(got) != len(want)
-                            else "")
-                    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-                    if first is not None:
-                        diff = (diff + "; " if diff else "") + \
-                            f"the first that differs is entry {first}: {got[first]}, expected {want[first]}"
+                    first = next(i for i in range(max(len(got), len(want)))
+                                 if got[i:i + 1] != want[i:i + 1])
+                    diff = (f"{len(got)} rows, expected {len(want)}; the first that differs is "
+                            f"entry {first}")
                     raise Mismatch(f"{prompts} prompts x G={group_size} on {world_size} ranks, "
                                    f"rank {rank}: you returned rows {got[:8]}"
                                    f"{'...' if len(got) > 8 else ''}, expected {want[:8]}"
@@ -76,11 +74,10 @@ def check_rank_token_weights(fn: Callable) -> CheckResult:
     ref = reference_rank_token_weights
     g = gen(12)
 
-    def case(loss_type, rows, world, cap=5, lengths=None):
+    def case(loss_type, rows, world, cap=5, row_lengths=None):
         def run(f):
-            nonlocal lengths
-            if lengths is None:
-                lengths = torch.randint(0, 6, (rows * world,), generator=g)
+            lengths = torch.randint(0, 6, (rows * world,), generator=g) if row_lengths is None \
+                else row_lengths
             mask = (torch.arange(5)[None] < lengths[:, None]).long()  # (rows * world, 5)
             total = float(mask.sum())
             whole = token_weights(mask, loss_type, cap)
@@ -107,7 +104,7 @@ def check_rank_token_weights(fn: Callable) -> CheckResult:
     return run_check("rank_token_weights", fn, ref, [
         (f"{t}, {w} ranks of {r} rows", case(t, r, w))
         for t, r, w in (("grpo", 3, 2), ("dr_grpo", 2, 3), ("bnpo", 4, 2), ("dapo", 3, 2))] + [
-        ("grpo with empty rows", case("grpo", 2, 2, lengths=torch.tensor([3, 0, 0, 2]))),
+        ("grpo with empty rows", case("grpo", 2, 2, row_lengths=torch.tensor([3, 0, 0, 2]))),
         ("dr_grpo with a cap of 8 above the batch's 5 columns", case("dr_grpo", 2, 2, cap=8)),
         ("an unknown loss_type", unknown)])
 
