@@ -153,4 +153,3 @@ def float64_gradients(trainer, batch) -> list[torch.Tensor]:
     twin.optimizer.zero_grad(set_to_none=True)
     twin.backward(dataclasses.replace(batch, old_logp=None))
     return [torch.zeros_like(p) if p.grad is None else p.grad for p in twin.policy.parameters()]
-
