@@ -30,6 +30,11 @@ and each notebook runs whole on one worker (a notebook's cells share one kernel,
   which imports torch, transformers, matplotlib and grpo_lab once; every notebook kernel of
   that worker is then forked from it instead of importing them again (about 3.5 s of CPU
   each). WARM_KERNELS=0 turns it off (every kernel a fresh `ipykernel_launcher`).
+- Commands forked warm: likewise each process that runs tests starts tests/warm_cli.py's
+  server, which imports torch and transformers once, and puts tests/warm_cli_hook/ on
+  PYTHONPATH: a `python -m grpo_lab train|yours|scenario` started from there (by a test, a
+  notebook, torchrun) is forked from the server where its environment allows, instead of
+  importing them again. WARM_CLI=0 turns it off.
 """
 
 from __future__ import annotations
@@ -147,17 +152,41 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if config.pluginmanager.hasplugin("nbval"):
         _use_warm_kernels(config)
+    _start_warm_cli(config)
 
 
-def _warm_kernels():
-    """tests/warm_kernels.py, loaded by path (tests/ is not a package)."""
+def _tests_module(name: str):
+    """tests/NAME.py, loaded by path (tests/ is not a package)."""
     import importlib.util
 
-    path = Path(__file__).parent / "tests" / "warm_kernels.py"
-    spec = importlib.util.spec_from_file_location("warm_kernels", path)
+    path = Path(__file__).parent / "tests" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _warm_kernels():
+    return _tests_module("warm_kernels")
+
+
+def _start_warm_cli(config) -> None:
+    """This process's server for `python -m grpo_lab train|yours|scenario` commands
+    (tests/warm_cli.py), where it runs tests: an xdist worker, or the one process of `-n 0`.
+    Its hook reaches every process started from here through PYTHONPATH."""
+    runs_tests = os.environ.get("PYTEST_XDIST_WORKER") or not getattr(
+        config.option, "numprocesses", None)
+    if not runs_tests or os.environ.get("WARM_CLI") == "0" or \
+            not sys.platform.startswith("linux") or not os.environ.get("GRPO_LAB_SESSION_CACHE"):
+        return
+    warm = _tests_module("warm_cli")
+    path = os.path.join(os.environ["GRPO_LAB_SESSION_CACHE"],
+                        f"cli-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.sock")
+    os.environ[warm.SOCKET_ENV] = path
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(warm.HOOK), os.environ.get("PYTHONPATH")) if p)
+    server = warm.start_server(path)
+    config.add_cleanup(lambda: (server.kill(), server.wait()))
 
 
 def _warm_kernel_argv(config) -> list[str] | None:
