@@ -14,7 +14,8 @@ same signal). Anything else, or no server: the process starts as it always did.
 
 grpo_lab itself is not imported by the server: the command imports it, in its own
 environment (GRPO_LAB_* variables, the launcher's RANK and WORLD_SIZE), as a fresh process
-would. What a forked command cannot show is what a fresh process does before its first line
+would. WARM_CLI_LOG=FILE: each server appends one line per command it was asked for, with
+the variables that kept it from forking one. What a forked command cannot show is what a fresh process does before its first line
 runs (import-time warnings, the thread policy torch reads at import): the tests of those
 (tests/test_startup.py, the packaging and setup tests) start other commands, or set a
 variable outside COMPATIBLE, and get a fresh process. WARM_CLI=0 turns it off.
@@ -42,11 +43,11 @@ PRELOAD = ("torch", "torch.distributed", "numpy", "safetensors.torch", "tokenize
 COMPATIBLE = {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "TMPDIR", "PWD",
               "OLDPWD", "_", "SHLVL", "MPLBACKEND", "TERM", "CLICOLOR", "PAGER", "GIT_PAGER",
               "COLUMNS", "LINES", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-              "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+              "MASTER_ADDR", "MASTER_PORT", "WARM_CLI_LOG", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
               "ROLE_NAME", "ROLE_WORLD_SIZE", "NCCL_ASYNC_ERROR_HANDLING", "CUDA_MODULE_LOADING",
               "WARM_KERNELS_SOCKET", SOCKET_ENV}
 COMPATIBLE_PREFIXES = ("GRPO_LAB_", "TORCHELASTIC_", "TORCH_NCCL_", "PYTEST_", "JPY_",
-                       "PYDEVD_")
+                       "PYDEVD_", "ACCELERATE_")  # accelerate launch's, read by no import
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
 
@@ -58,11 +59,15 @@ def start_server(path: str) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL)
 
 
-def differences(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
-    """The variables outside COMPATIBLE in which `env` differs from the server's."""
+def differences(env: dict[str, str], server_env: dict[str, str],
+                added: dict[str, str]) -> list[str]:
+    """The variables outside COMPATIBLE in which `env` differs from the server's. `added`:
+    what the server's imports set; a command that has one of them with that value (its
+    parent imported torch too) or not at all (its own imports will set it) is the same."""
     names = set(env) | set(server_env)
     return sorted(n for n in names if env.get(n) != server_env.get(n) and n not in COMPATIBLE
-                  and not n.startswith(COMPATIBLE_PREFIXES))
+                  and not n.startswith(COMPATIBLE_PREFIXES)
+                  and not (n in added and env.get(n) in (None, added[n])))
 
 
 def _command(request: dict, fds: list[int], closing: list[socket.socket],
@@ -150,6 +155,7 @@ def serve(path: str) -> None:
     import importlib
     import select
 
+    log = os.environ.get("WARM_CLI_LOG")  # a file: one line per command, and what differed
     server_env = dict(os.environ)  # before the imports, which may set some (as they will in
     for name in PRELOAD:           # the command: its os.environ is the client's, then theirs)
         importlib.import_module(name)
@@ -173,8 +179,12 @@ def serve(path: str) -> None:
                 while not message.endswith(b"\n"):
                     message += conn.recv(1 << 20)
                 request = json.loads(message)
-                if request["executable"] != sys.executable or differences(
-                        request["env"], server_env):
+                differ = differences(request["env"], server_env, added)
+                if log:
+                    with open(log, "a") as f:
+                        f.write(json.dumps({"args": request["args"], "differ": differ,
+                                            "executable": request["executable"]}) + "\n")
+                if request["executable"] != sys.executable or differ:
                     for fd in fds:
                         os.close(fd)
                     conn.sendall(b"fresh\n")  # the client starts as a fresh process
