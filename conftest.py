@@ -63,7 +63,7 @@ WORKER_MEMORY_GIB = 2.0
 # the workers.
 FILE_SECONDS: dict[str, float] = {
     "tests/browser/test_browser.py": 151,
-    "tests/test_warmstart.py": 107,
+    "tests/test_warmstart.py": 12,  # without the rebuild (marker `rebuild`): 107 with it
     "tests/test_scenarios.py": 96,
     "tests/browser/test_site.py": 91,
     "tests/test_cli.py": 86,
@@ -260,11 +260,22 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+REBUILD_NOTE = ("the full rebuild of the shipped model (marker `rebuild`, a minute of CPU) is "
+                "left out of this run: .ci/run runs it in a stage of its own; here: "
+                "./course test -m rebuild")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Under xdist, longest files first (each file's items stay together, in order).
+    """The rebuild tests only where `-m` names them; then, under xdist, longest files first
+    (each file's items stay together, in order).
 
     Every worker sorts its collection the same way, and `--no-loadscope-reorder` makes the
     scheduler hand the files out in this order."""
+    if "rebuild" not in (config.option.markexpr or ""):
+        rebuild = [item for item in items if item.get_closest_marker("rebuild")]
+        if rebuild:
+            items[:] = [item for item in items if item not in rebuild]
+            config.hook.pytest_deselected(items=rebuild)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     first: dict[str, int] = {}
@@ -272,3 +283,9 @@ def pytest_collection_modifyitems(session, config, items):
         first.setdefault(file_of(item.nodeid), index)
     items.sort(key=lambda item: (-FILE_SECONDS.get(file_of(item.nodeid), DEFAULT_SECONDS),
                                  first[file_of(item.nodeid)]))
+
+
+def pytest_report_header(config):
+    if "rebuild" not in (config.option.markexpr or ""):
+        return f"[conftest] {REBUILD_NOTE}"
+    return None

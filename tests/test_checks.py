@@ -24,6 +24,7 @@ from grpo_lab.course.exercises import (
     nb11,
     nb12,
 )
+from grpo_lab.course.exercises.base import difference
 from grpo_lab.models import count_parameters
 from grpo_lab.sampling import completion_mask_from_ids
 from grpo_lab.tasks import addition_reward
@@ -185,6 +186,9 @@ BUGS = [
     (nb08.check_micro_batch_slices, _floor_chunks, "once each"),
     (nb09.check_exact_kl, _reverse_kl, "KL(q || p)"),
     (nb09.check_kl_k2, _k2_no_half, "twice k2"),
+    (nb09.check_kl_k2, objective.kl_k3, "yours is k3"),
+    (nb09.check_kl_k2, lambda logp, ref_logp: 0.5 * (ref_logp - logp).abs(),
+     "so log r = ref_logp - logp ="),
     (nb10.check_sanitize_logits, _nan_to_zero, "NaN"),
     (nb10.check_completion_mask_from_ids, _mask_without_eos, "drops the first EOS"),
 ]
@@ -196,6 +200,20 @@ def test_a_crashing_exercise_fails_with_the_exception_named():
 
     result = nb02.check_group_advantages(crashes)
     assert result.status == "failed" and "raised RuntimeError" in result.reason
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda w: torch.cat([w[:, :1] * 0 - 3, w[:, :-1]], 1), "shifted right by one position"),
+    (lambda w: w + torch.arange(4.0)[:, None] + 1, "off by a constant of its own"),
+    (lambda w: w * torch.tensor([[2.0], [1.0], [3.0], [1.0]]), "off by a factor of its own"),
+    (lambda w: torch.where(torch.arange(4)[:, None] == 2, w.flip(1), w), "only row 2 of 4"),
+    (lambda w: w + (torch.arange(6) == 0).float(), "only column 0 of 6"),
+])
+def test_a_result_that_matches_no_known_mistake_is_located_in_words(change, words):
+    """Issue 31: never only "n of m entries differ": which rows or columns, or the pattern."""
+    want = torch.linspace(-2.0, 1.7, 24).view(4, 6)
+    message = difference(change(want), want)
+    assert words in message, message
 
 
 def test_wrong_shape_is_named():

@@ -47,6 +47,7 @@ def compare_builds(rebuilt_dir, reference_dir) -> str:
     return "behaviour"
 
 
+@pytest.mark.rebuild  # a minute of CPU: .ci/run's rebuild stage, or ./course test -m rebuild
 def test_build_model_reproduces_the_shipped_model(tmp_path, record_property, capsys):
     build_tiny_model(tmp_path, log=lambda *_: None)
     check = compare_builds(tmp_path, TINY_MODEL_DIR)

@@ -41,7 +41,8 @@ PRELOAD = ("torch", "torch.distributed", "numpy", "safetensors.torch", "tokenize
 # variables a forked command may have different from the server: none is read when the
 # preloaded modules are imported (grpo_lab, not preloaded, reads GRPO_LAB_* when it is)
 COMPATIBLE = {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "TMPDIR", "PWD",
-              "OLDPWD", "_", "SHLVL", "MPLBACKEND", "TERM", "CLICOLOR", "PAGER", "GIT_PAGER",
+              "OLDPWD", "_", "SHLVL", "MPLBACKEND", "TERM", "CLICOLOR", "CLICOLOR_FORCE",
+              "FORCE_COLOR", "PAGER", "GIT_PAGER",
               "COLUMNS", "LINES", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
               "MASTER_ADDR", "MASTER_PORT", "WARM_CLI_LOG", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
               "ROLE_NAME", "ROLE_WORLD_SIZE", "NCCL_ASYNC_ERROR_HANDLING", "CUDA_MODULE_LOADING",

@@ -343,8 +343,51 @@ def difference(got, want, atol=1e-5, rtol=1e-4) -> str:
     msg = (f"{n} of {bad.numel()} entries differ; at {at or 'the value'} yours is "
            f"{g[idx].item():.6g}, expected {w[idx].item():.6g} "
            f"(off by {abs(g[idx] - w[idx]).item():.2g}; tolerance {atol:g} + {rtol:g} x |expected|)")
-    cause = cause_of(g, w, atol, rtol)
+    cause = cause_of(g, w, atol, rtol) or where_it_differs(g, w, bad, atol, rtol)
     return msg + (f": {cause}" if cause else "")
+
+
+def where_it_differs(g: torch.Tensor, w: torch.Tensor, bad: torch.Tensor, atol: float,
+                     rtol: float) -> str:
+    """For a (rows, columns) result, the pattern of the differing entries in words: which rows
+    or columns, a shift by one position, each row off by its own constant or factor."""
+    if g.dim() != 2 or not bad.any():
+        return ""
+    rows, cols = bad.any(1), bad.any(0)
+    R, C = bad.shape
+    if C > 1 and torch.allclose(g[:, 1:], w[:, :-1], rtol=rtol, atol=atol):
+        return "yours is the expected one shifted right by one position (yours[:, t] is the " \
+            "expected value at t - 1): an off-by-one between a position and the token it predicts?"
+    if C > 1 and torch.allclose(g[:, :-1], w[:, 1:], rtol=rtol, atol=atol):
+        return "yours is the expected one shifted left by one position (yours[:, t] is the " \
+            "expected value at t + 1): an off-by-one between a position and the token it predicts?"
+    finite = torch.isfinite(g).all() and torch.isfinite(w).all()
+    if finite and R > 1 and int(rows.sum()) > 1:
+        offset = (g - w).median(1, keepdim=True).values
+        if torch.allclose(g, w + offset, rtol=rtol, atol=atol):
+            return "each differing row is off by a constant of its own (a per-row " \
+                "normaliser: a log-softmax over the wrong dimension or with the wrong " \
+                "temperature, a per-row mean?)"
+        nz = w.abs() > 1e-8
+        if nz.all():
+            factor = (g / w).median(1, keepdim=True).values
+            if torch.allclose(g, w * factor, rtol=rtol, atol=atol):
+                return "each differing row is off by a factor of its own (a per-row " \
+                    "normaliser: its length, its count of tokens, its loss_type weight?)"
+    if int(rows.sum()) < R:
+        which = [int(i) for i in rows.nonzero().flatten()]
+        return (f"only row{'s' if len(which) > 1 else ''} {_listed(which)} of {R} differ"
+                f"{'s' if len(which) == 1 else ''}; the other rows match")
+    if int(cols.sum()) < C:
+        which = [int(i) for i in cols.nonzero().flatten()]
+        return (f"in every row, only column{'s' if len(which) > 1 else ''} {_listed(which)} "
+                f"of {C} differ{'s' if len(which) == 1 else ''}; the others match")
+    return ""  # every row and column: the checker's case says what the entries are
+
+
+def _listed(indices: list[int], most: int = 8) -> str:
+    shown = ", ".join(map(str, indices[:most]))
+    return shown + (f" and {len(indices) - most} more" if len(indices) > most else "")
 
 
 def cause_of(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
