@@ -94,6 +94,7 @@ FILE_SECONDS: dict[str, float] = {
     "solutions/05_break_it.ipynb": 26,
     "labs/05_break_it.ipynb": 23,
     "tests/test_warm_kernels.py": 22,
+    "tests/test_warm_cli.py": 20,
     "tests/test_memory.py": 19,
     "tests/test_course_setup.py": 15,
     "tests/test_bench.py": 15,

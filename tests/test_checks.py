@@ -216,6 +216,18 @@ def test_a_result_that_matches_no_known_mistake_is_located_in_words(change, word
     assert words in message, message
 
 
+def test_a_whole_update_that_differs_is_described_by_its_direction_and_size():
+    want = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
+    other = torch.randn(20_000, generator=torch.Generator().manual_seed(1))
+    for got, words in [(torch.zeros_like(want), "did not change the parameters"),
+                       (want * 1.5, "points the same way but is 1.5000 x the size"),
+                       (-want, "opposite"),
+                       (want + 0.3 * other, "points another way (cosine 0.96"),
+                       (want + 0.002 * other, "close to the expected update (cosine 1.00000")]:
+        message = difference(got, want)
+        assert words in message, message
+
+
 def test_wrong_shape_is_named():
     result = nb03.check_kl_k3(lambda logp, ref_logp: (logp - ref_logp).sum())
     assert result.status == "failed" and "shape" in result.reason

@@ -121,7 +121,7 @@ def test_ci_runs_the_readme_test_command_exactly():
 
 
 def test_scripts_are_executable_and_parse():
-    for script in (COURSE, CI_RUN, CI_RUN.parent / "kernels"):
+    for script in (COURSE, CI_RUN, CI_RUN.parent / "kernels", CI_RUN.parent / "rebuild"):
         assert script.stat().st_mode & 0o111, f"{script.name} is not executable"
         subprocess.run(["bash", "-n", str(script)], check=True)
 

@@ -385,6 +385,60 @@ def where_it_differs(g: torch.Tensor, w: torch.Tensor, bad: torch.Tensor, atol: 
     return ""  # every row and column: the checker's case says what the entries are
 
 
+UPDATE_ENTRIES = 10_000  # a 1-D result this long is a model's parameters (or their update)
+
+
+def update_words(g: torch.Tensor, w: torch.Tensor) -> str:
+    """Two parameter updates (flat vectors) compared as vectors: their sizes and directions."""
+    finite = torch.isfinite(g) & torch.isfinite(w)
+    if not finite.all():
+        return ""
+    g_norm, w_norm = g.norm().item(), w.norm().item()
+    if g_norm == 0.0:
+        return "yours did not change the parameters at all (no optimizer step, or the " \
+            "gradients cleared before it?)"
+    if w_norm == 0.0:
+        return "the parameters must not change here, and yours moved them"
+    cosine = (g @ w).item() / (g_norm * w_norm)
+    size = f"{g_norm / w_norm:.4f} x the size of the expected one"
+    if cosine > 0.999 and abs(g_norm / w_norm - 1) < 0.01:
+        return (f"yours is close to the expected update (cosine {cosine:.5f}; {size}) but "
+                "beyond rounding: a small change in the advantages or the log-probs (the "
+                "std's unbiased flag, an epsilon, a temperature in one forward but not the "
+                "other?)")
+    if cosine > 0.999:
+        return f"yours points the same way but is {size} (a scale: the loss's weighting, " \
+            "the gradient clipping, the learning rate?)"
+    if cosine < -0.999:
+        return f"yours points the opposite way ({size}): a sign in the loss?"
+    return (f"yours points another way (cosine {cosine:.2f} with the expected update; {size}): "
+            "a different loss, different advantages or log-probs, or different samples")
+
+
+def norm_words(norm, grads: list[torch.Tensor]) -> str:
+    """Which wrong norm of `grads` the learner's `norm` is, in words; "" where none is."""
+    if not isinstance(norm, (int, float)) or isinstance(norm, bool) or not grads:
+        return ""
+    per_tensor = [g.detach().double().norm().item() for g in grads]
+    flat = torch.cat([g.detach().double().flatten() for g in grads])
+    total = math.sqrt(sum(n * n for n in per_tensor))
+    wrong = {
+        "the sum of the per-tensor norms; the global norm is sqrt of the sum of their "
+        "squares": sum(per_tensor),
+        "the squared norm: take the square root": total ** 2,
+        "the largest entry's size (the inf-norm); grad_norm is the 2-norm over every "
+        "entry": flat.abs().max().item(),
+        "the root mean square of the entries: sum the squares, do not average them":
+            flat.pow(2).mean().sqrt().item(),
+        "the largest per-tensor norm; the global norm takes every tensor": max(per_tensor),
+    }
+    for words, value in wrong.items():
+        if not math.isclose(value, total, rel_tol=1e-4) and math.isclose(norm, value,
+                                                                          rel_tol=1e-4):
+            return f"yours ({norm:.6g}) is {words}; expected {total:.6g}"
+    return ""
+
+
 def _listed(indices: list[int], most: int = 8) -> str:
     shown = ", ".join(map(str, indices[:most]))
     return shown + (f" and {len(indices) - most} more" if len(indices) > most else "")
@@ -398,6 +452,8 @@ def cause_of(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
     finite = torch.isfinite(g) & torch.isfinite(w)
     if not finite.any():
         return ""
+    if g.dim() == 1 and g.numel() >= UPDATE_ENTRIES and finite.all():
+        return update_words(g, w)
     g, w = g[finite], w[finite]
     if torch.allclose(g, -w, rtol=rtol, atol=atol) and w.abs().max() > atol:
         return "yours has the opposite sign everywhere"

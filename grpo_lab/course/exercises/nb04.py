@@ -30,6 +30,7 @@ from .base import (
     Mistake,
     compare,
     expect,
+    norm_words,
     patched,
     run_check,
     which_mistake,
@@ -43,6 +44,7 @@ from .fixtures import (
     drive_loss,
     drive_step,
     drive_update,
+    fixture_run,
 )
 
 
@@ -469,6 +471,10 @@ def check_apply_update(fn: Callable) -> CheckResult:
                                           [float(drive_update(m, seed, **overrides)["out"][0])]))
             if named:
                 raise Mismatch(f"the grad norm differs: {named}")
+            grads = [p.grad for p in fixture_run(seed, **overrides).policy.parameters()
+                     if p.grad is not None]
+            if words := norm_words(got[0], grads):
+                raise Mismatch(f"the grad norm: {words}")
             expect(float(got[0]) if isinstance(got[0], (int, float)) else got[0],
                     float(want["out"][0]), "the grad norm")
             if got[1] != 0:

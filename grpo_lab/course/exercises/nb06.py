@@ -26,6 +26,7 @@ from .base import (
     close,
     expect,
     gen,
+    norm_words,
     run_check,
     shape_of,
 )
@@ -86,6 +87,8 @@ def check_clip_grad_norm(fn: Callable) -> CheckResult:
             ):
                 raise Mismatch(f"{what}: you returned the norm after clipping ({norm:.3g}); "
                                "return it before clipping (TRL logs that as grad_norm)")
+            if words := norm_words(norm, grads):
+                raise Mismatch(f"{what}: the norm before clipping: {words}")
             expect(norm, want_norm, f"{what}: the norm before clipping")
             for i, (c, w) in enumerate(zip(clipped, want, strict=True)):
                 expect(c, w, f"{what}: clipped gradient {i}")
