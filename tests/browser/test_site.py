@@ -117,9 +117,10 @@ def status_of(url: str) -> int:
         return error.code
 
 
-def look_at(browser, site: Site, page_path: str, shots: Path | None) -> tuple[list[str], dict]:
-    """Open one page; (problems, {"links": same-host hrefs, "ids": element ids, ...})."""
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+def look_at(context, site: Site, page_path: str, shots: Path | None) -> tuple[list[str], dict]:
+    """Open one page in a tab of `context` (a browser context: one for the whole site, as a
+    reader's browser has); (problems, {"links": same-host hrefs, "ids": element ids, ...})."""
+    page = context.new_page()
     host = urlsplit(site.url).netloc
     bad_resources: list[str] = []
     page.route(re.compile(r"^(?!http://127\.0\.0\.1:)"), lambda route: route.abort())  # offline
@@ -175,9 +176,17 @@ def look_at(browser, site: Site, page_path: str, shots: Path | None) -> tuple[li
 
 def check_site(browser, site: Site, pages: list[str], shots: Path | None = None) -> dict:
     """Open `pages` and check their links; {"problems": [...], "pages": n, "links": n, ...}."""
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    try:
+        return _check_pages(context, site, pages, shots)
+    finally:
+        context.close()
+
+
+def _check_pages(context, site: Site, pages: list[str], shots: Path | None) -> dict:
     problems, links, ids, images = [], set(), {}, 0
     for page_path in pages:
-        found, seen = look_at(browser, site, page_path, shots)
+        found, seen = look_at(context, site, page_path, shots)
         problems += [f"{page_path}: {p}" for p in found]
         ids[page_path] = set(seen["ids"])
         images += seen.get("images_shown", 0)
@@ -193,7 +202,7 @@ def check_site(browser, site: Site, pages: list[str], shots: Path | None = None)
         rel = target.removeprefix(site.url) or "index.html"
         if fragment and rel.endswith(".html"):
             if rel not in ids:
-                _, seen = look_at(browser, site, rel, None)
+                _, seen = look_at(context, site, rel, None)
                 ids[rel] = set(seen["ids"])
             if fragment not in ids[rel]:
                 problems.append(f"{page_path}: link to a missing anchor {href}")
