@@ -187,6 +187,13 @@ BUGS = [
     (nb09.check_exact_kl, _reverse_kl, "KL(q || p)"),
     (nb09.check_kl_k2, _k2_no_half, "twice k2"),
     (nb09.check_kl_k2, objective.kl_k3, "yours is k3"),
+    (nb09.check_exact_kl, lambda a, b: (a.log_softmax(-1) - b.log_softmax(-1)).sum(-1),
+     "without the weights p_v"),
+    (nb09.check_exact_kl, lambda a, b: (a.softmax(-1) * (a.log_softmax(-1)
+                                                         - b.log_softmax(-1))).mean(-1),
+     "averaged over the vocabulary"),
+    (nb09.check_exact_kl, lambda a, b: (a.softmax(-1) * (a - b)).sum(-1),
+     "raw logits are used as log-probabilities"),
     (nb09.check_kl_k2, lambda logp, ref_logp: 0.5 * (ref_logp - logp).abs(),
      "so log r = ref_logp - logp ="),
     (nb10.check_sanitize_logits, _nan_to_zero, "NaN"),

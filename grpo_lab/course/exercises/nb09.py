@@ -42,6 +42,9 @@ def check_exact_kl(fn: Callable) -> CheckResult:
                 if close(got, swapped) and not close(got, want):
                     raise Mismatch(f"{what}: you computed KL(q || p); the expectation is over "
                                    "the policy p = softmax(logits)")
+                for wrong, words in _exact_kl_mistakes(logits, ref_logits):
+                    if close(got, wrong) and not close(got, want):
+                        raise Mismatch(f"{what}: {words}")
             expect(got, want, f"{what}: the KL")
         return case
 
@@ -55,6 +58,22 @@ def check_exact_kl(fn: Callable) -> CheckResult:
          same_kl(a, a + 5.0, "shifted")),
         ("logits of size 1000", same_kl(a * 1000, b * 1000, "huge logits")),
     ])
+
+
+def _exact_kl_mistakes(logits: torch.Tensor, ref_logits: torch.Tensor):
+    """(what a known wrong exact_kl returns, its message), for these logits."""
+    logp, logq = logits.float().log_softmax(-1), ref_logits.float().log_softmax(-1)
+    return [
+        ((logp - logq).sum(-1), "the log-ratio is summed without the weights p_v: KL is an "
+         "expectation under p, sum_v p_v (log p_v - log q_v)"),
+        ((logp.exp() * (logp - logq)).mean(-1), "you averaged over the vocabulary: the "
+         "expectation's weights are p_v, so sum over v (a mean divides once more by V)"),
+        ((logq.exp() * (logp - logq)).sum(-1), "the weights are the reference's q_v: "
+         "KL(p || q) weights the log-ratio by the policy's p_v = softmax(logits)"),
+        ((logits.float().softmax(-1) * (logits.float() - ref_logits.float())).sum(-1),
+         "the raw logits are used as log-probabilities: normalise both with log_softmax "
+         "first (logits are log-probs only up to a constant per row)"),
+    ]
 
 
 def check_kl_k2(fn: Callable) -> CheckResult:
