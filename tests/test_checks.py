@@ -187,6 +187,13 @@ BUGS = [
     (nb09.check_exact_kl, _reverse_kl, "KL(q || p)"),
     (nb09.check_kl_k2, _k2_no_half, "twice k2"),
     (nb09.check_kl_k2, objective.kl_k3, "yours is k3"),
+    (nb10.check_completion_mask_from_ids,
+     lambda ids, eos: ((ids == eos).long().cumsum(-1) - (ids == eos).long() <= 1).long(),
+     "comes after the row's first end token (position 2) and yours keeps it"),
+    (nb10.check_completion_mask_from_ids,
+     lambda ids, eos: (ids == eos).long().cumsum(-1).eq(0).long(), "your mask drops the first EOS"),
+    (nb10.check_completion_mask_from_ids, lambda ids, eos: (ids >= 0).bool(),
+     "dtype torch.bool"),
     (nb09.check_exact_kl, lambda a, b: (a.log_softmax(-1) - b.log_softmax(-1)).sum(-1),
      "without the weights p_v"),
     (nb09.check_exact_kl, lambda a, b: (a.softmax(-1) * (a.log_softmax(-1)

@@ -51,6 +51,31 @@ def check_sanitize_logits(fn: Callable) -> CheckResult:
     ])
 
 
+def expect_mask(got, want: torch.Tensor, ids: torch.Tensor, is_end: torch.Tensor,
+                what: str) -> None:
+    """`expect`, with the first entry that differs said in the ids' terms: where that row's
+    first end token is, and whether the token counts."""
+    try:
+        expect(got, want, what)
+    except Mismatch as e:
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape) or \
+                not (got.long() != want).any():  # the dtype, NaN: expect's reason says it
+            raise
+        r, t = (int(i) for i in (got.long() != want).nonzero()[0])
+        ends = [int(i) for i in is_end[r].nonzero().flatten()]
+        token = f"row {r}, position {t} (token {int(ids[r, t])})"
+        if want[r, t] == 1:
+            where = (f"the row's first end token is at position {ends[0]}" if ends else
+                     "the row has no end token")
+            words = (f"{token} counts and yours drops it: {where}, and every token up to and "
+                     "including the first end token counts")
+        else:
+            words = (f"{token} comes after the row's first end token (position {ends[0]}) "
+                     "and yours keeps it: nothing after the first end token counts, not "
+                     "even another end token")
+        raise Mismatch(f"{e}; {words}") from None
+
+
 def check_completion_mask_from_ids(fn: Callable) -> CheckResult:
 
     def same_mask(ids, eos, what):
@@ -62,7 +87,7 @@ def check_completion_mask_from_ids(fn: Callable) -> CheckResult:
                 if (got[first] == 0).any():
                     raise Mismatch(f"{what}: your mask drops the first EOS; keep it (the model "
                                    "must learn to stop)")
-            expect(got, want, f"{what}: the mask for ids {ids.tolist()}")
+            expect_mask(got, want, ids, ids == eos, f"{what}: the mask for ids {ids.tolist()}")
         return case
 
     return run_check("completion_mask_from_ids", fn, completion_mask_from_ids, [
@@ -96,7 +121,8 @@ def check_completion_mask_any_eos(fn: Callable) -> CheckResult:
             got = f(ids.clone(), list(stop))
             if isinstance(got, torch.Tensor) and got.dtype == torch.bool:
                 got = got.long()
-            expect(got, ref(ids, list(stop)), what)
+            expect_mask(got, ref(ids, list(stop)), ids, torch.isin(ids, torch.tensor(stop)),
+                        what)
         return run
 
     return run_check("completion_mask_any_eos", fn, ref, [
