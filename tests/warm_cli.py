@@ -154,77 +154,25 @@ def _command(request: dict, fds: list[int], closing: list[socket.socket],
 
 def serve(path: str) -> None:
     import importlib
-    import select
+
+    from warm_kernels import serve_forks  # this file's folder, tests/, is sys.path[0]
 
     log = os.environ.get("WARM_CLI_LOG")  # a file: one line per command, and what differed
     server_env = dict(os.environ)  # before the imports, which may set some (as they will in
     for name in PRELOAD:           # the command: its os.environ is the client's, then theirs)
         importlib.import_module(name)
     added = {k: v for k, v in os.environ.items() if k not in server_env}
-    parent = os.getppid()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path + ".tmp")
-    os.rename(path + ".tmp", path)  # ready
-    listener.listen(16)
-    commands: dict[socket.socket, int] = {}  # client connection -> forked command's pid
-    try:
-        while os.getppid() == parent:  # the worker that started this server is alive
-            ready, _, _ = select.select([listener, *commands], [], [], 0.2)
-            for s in ready:
-                if s is not listener:  # the client went away before its command ended
-                    _kill(commands.pop(s))
-                    s.close()
-                    continue
-                conn, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-                while not message.endswith(b"\n"):
-                    message += conn.recv(1 << 20)
-                request = json.loads(message)
-                differ = differences(request["env"], server_env, added)
-                if log:
-                    with open(log, "a") as f:
-                        f.write(json.dumps({"args": request["args"], "differ": differ,
-                                            "executable": request["executable"]}) + "\n")
-                if request["executable"] != sys.executable or differ:
-                    for fd in fds:
-                        os.close(fd)
-                    conn.sendall(b"fresh\n")  # the client starts as a fresh process
-                    conn.close()
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    _command(request, fds, [listener, conn, *commands], added)
-                for fd in fds:
-                    os.close(fd)
-                conn.sendall(f"{pid}\n".encode())
-                commands[conn] = pid
-            for conn, pid in list(commands.items()):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    try:
-                        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-                    except OSError:
-                        pass
-                    conn.close()
-                    del commands[conn]
-    finally:
-        for pid in commands.values():
-            _kill(pid)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
+    def refuse(request: dict) -> bool:
+        differ = differences(request["env"], server_env, added)
+        if log:
+            with open(log, "a") as f:
+                f.write(json.dumps({"args": request["args"], "differ": differ,
+                                    "executable": request["executable"]}) + "\n")
+        return request["executable"] != sys.executable or bool(differ)
 
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+    serve_forks(path, lambda request, fds, closing: _command(request, fds, closing, added),
+                refuse)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,6 @@ def _kernel(request: dict, fds: list[int], closing: list[socket.socket]) -> None
 
 def serve(path: str) -> None:
     import importlib
-    import select
 
     mplbackend = os.environ.get("MPLBACKEND")  # ipykernel sets it where it is not set
     os.environ["MPLBACKEND"] = mplbackend or "module://matplotlib_inline.backend_inline"
@@ -163,32 +162,50 @@ def serve(path: str) -> None:
     loaded = [name for name in NOT_PRELOADED if name in sys.modules]
     if loaded:
         sys.exit(f"warm_kernels: {loaded} must not be imported before the kernel's environment")
+    serve_forks(path, _kernel)
+
+
+def serve_forks(path: str, become, refuse=None) -> None:
+    """Listen on the Unix socket `path` while the process that started this one lives. Each
+    client sends a JSON request line with its standard streams; the server forks a child
+    that calls `become(request, fds, sockets to close)` (it never returns), answers the
+    child's pid, and later its exit status; a client that goes away takes its child with it.
+    `refuse(request)` true: the answer is "fresh" and the client starts as usual."""
+    import select
+
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
-    os.rename(path + ".tmp", path)  # ready: a client connecting now gets a warm kernel
+    os.rename(path + ".tmp", path)  # ready: a client connecting now is forked warm
     listener.listen(16)
-    kernels: dict[socket.socket, int] = {}  # client connection -> kernel pid
+    children: dict[socket.socket, int] = {}  # client connection -> forked child's pid
     try:
         while os.getppid() == parent:  # the worker that started this server is alive
-            ready, _, _ = select.select([listener, *kernels], [], [], 0.2)
+            ready, _, _ = select.select([listener, *children], [], [], 0.2)
             for s in ready:
-                if s is listener:
-                    conn, _ = listener.accept()
-                    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-                    while not message.endswith(b"\n"):
-                        message += conn.recv(1 << 20)
-                    pid = os.fork()
-                    if pid == 0:
-                        _kernel(json.loads(message), fds, [listener, conn, *kernels])
+                if s is not listener:  # the client went away before its child: kill it
+                    _kill(children.pop(s))
+                    s.close()
+                    continue
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                while not message.endswith(b"\n"):
+                    message += conn.recv(1 << 20)
+                request = json.loads(message)
+                if refuse is not None and refuse(request):
                     for fd in fds:
                         os.close(fd)
-                    conn.sendall(f"{pid}\n".encode())
-                    kernels[conn] = pid
-                else:  # the client went away before its kernel: kill the kernel
-                    _kill(kernels.pop(s))
-                    s.close()
-            for conn, pid in list(kernels.items()):
+                    conn.sendall(b"fresh\n")
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    become(request, fds, [listener, conn, *children])
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(f"{pid}\n".encode())
+                children[conn] = pid
+            for conn, pid in list(children.items()):
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     try:
@@ -196,9 +213,9 @@ def serve(path: str) -> None:
                     except OSError:
                         pass
                     conn.close()
-                    del kernels[conn]
+                    del children[conn]
     finally:
-        for pid in kernels.values():
+        for pid in children.values():
             _kill(pid)
         try:
             os.unlink(path)
