@@ -17,6 +17,7 @@
 #      CUDA call in that process does; 4. the peak-memory table; 5. grpo_lab vs TRL: s/step,
 #      tokens/s, MFU; 6. summary.json: card, date, commit, notebooks passed and total, seconds,
 #      the bench per side, the step-time ratio.
+# ONLY=notebooks: steps 1, 2 and 6 only (a rerun of the notebooks after a full run).
 # COMMIT: the commit to record (default: git rev-parse HEAD where .git is there).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -57,6 +58,13 @@ else
   notebooks=${NOTEBOOKS:-solutions/00_setup_and_diagnostics.ipynb}
   deadline=${GPU_DEADLINE:-0}
 fi
+# one notebook process holds 5 to 14 GiB of CUDA memory under the gpu profile (measured on
+# 2026-11-27: 14 workers on an 80 GiB H100 ran out of memory), so the workers are sized by
+# the card: one per 11 GiB, at most 14 (an H100 80GB: 7; an H200: 12)
+if [ "$device" = cuda ] && [ -z "${NOTEBOOK_WORKERS:-}" ]; then
+  NOTEBOOK_WORKERS=$("$py" -c "import torch; print(max(1, min(14, torch.cuda.get_device_properties(0).total_memory // (11 << 30))))" 2>/dev/null || echo 7)
+fi
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 reserve=${RESERVE:-170}  # seconds kept for steps 3 to 6 after the notebooks (about 120 on an H200)
 run environment "$py" -c "import torch, transformers, trl; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 if [ "$device" = cuda ]; then
@@ -72,8 +80,14 @@ fi
 notebooks_start=$SECONDS
 # shellcheck disable=SC2086  # NOTEBOOKS is a list of paths (globs allowed)
 run notebooks ${limit[@]+"${limit[@]}"} env GRPO_LAB_PROFILE="$profile" "$py" -m pytest -q -p no:cacheprovider --durations=0 \
-  -n "${NOTEBOOK_WORKERS:-14}" --junitxml="$out/notebooks.xml" $notebooks
+  -n "${NOTEBOOK_WORKERS:-2}" --junitxml="$out/notebooks.xml" $notebooks
 notebook_seconds=$((SECONDS - notebooks_start))
+if [ "${ONLY:-}" = notebooks ]; then  # a rerun of the notebooks alone (the rest ran already)
+  run summary "$py" benchmarks/gpu_summary.py "$out" --commit "$commit" \
+    --seconds "$SECONDS" --notebook-seconds "$notebook_seconds" --failed "$failed" \
+    --notebooks $notebooks
+  exit $((failed > 0))
+fi
 for side in "" --fixed; do
   run "scenario-000$side" "$py" -m grpo_lab scenario nan-params-sampling-crash --device "$device" $side
   run "scenario-002$side" "$py" -m grpo_lab scenario pad-token-vocab-mismatch --device "$device" $side

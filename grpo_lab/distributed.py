@@ -93,10 +93,19 @@ def launch_problem(device: str | None = None) -> str | None:
                 f"launcher, so only cuda:0 would train; run: " + LAUNCH_HINT.format(n=n_gpus)
                 + "; to use one GPU on purpose set CUDA_VISIBLE_DEVICES=0 or pass --device cuda:0")
     per_node = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
-    if launched and (device is None or device.startswith("cuda")) and per_node > n_gpus:
+    if launched and device in (None, "cuda") and per_node > n_gpus:
         return (f"the launcher started {per_node} processes on this node but only {n_gpus} "
-                f"GPU(s) are visible; run: " + LAUNCH_HINT.format(n=n_gpus))
+                f"GPU(s) are visible; run: " + LAUNCH_HINT.format(n=n_gpus)
+                + f"; to share one GPU between the {per_node} processes on purpose, pass "
+                "--device cuda:0")
     return None
+
+
+def shares_one_gpu(device: str | None) -> bool:
+    """A launched run whose ranks all name one GPU (`--device cuda:0`): they share it,
+    through gloo (NCCL refuses two ranks on one GPU). Notebook 12 runs its two ranks so on
+    a machine with one GPU."""
+    return device is not None and device.startswith("cuda:")
 
 
 def setup(device: str | None) -> tuple[World, torch.device | None]:
@@ -109,11 +118,13 @@ def setup(device: str | None) -> tuple[World, torch.device | None]:
     if problem:
         raise ConfigError(problem)
     use_cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
-    rank_device = torch.device("cuda", world.local_rank) if use_cuda else torch.device("cpu")
+    shared = use_cuda and shares_one_gpu(device)
+    rank_device = (torch.device(device) if shared else torch.device("cuda", world.local_rank)
+                   if use_cuda else torch.device("cpu"))
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(rank_device)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=TIMEOUT)
+        dist.init_process_group("nccl" if use_cuda and not shared else "gloo", timeout=TIMEOUT)
     return world, rank_device
 
 

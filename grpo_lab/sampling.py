@@ -54,6 +54,22 @@ class SanitizeLogits(LogitsProcessor):
         return scores
 
 
+MULTINOMIAL_ERROR = "probability tensor contains either `inf`, `nan` or element < 0"
+
+
+def refuse_unsampleable(probs: torch.Tensor) -> None:
+    """Raise the error torch.multinomial raises on the CPU for these probabilities, before
+    they reach it. On CUDA torch.multinomial does not raise: a NaN, inf or negative entry is
+    a device-side assert, and every later CUDA call in the process fails with it (report
+    000), so a crashed run could not be diagnosed, and a notebook's kernel would be lost.
+    decode_loop calls this on CUDA only (one host sync per token): a crash then ends a run
+    the same way on both devices. The real device-side assert is shown in a fresh process
+    (`python -m grpo_lab scenario nan-params-sampling-crash --device cuda`)."""
+    if not bool((torch.isfinite(probs) & (probs >= 0)).all()):
+        raise RuntimeError(f"{MULTINOMIAL_ERROR} (found before torch.multinomial, which on "
+                           f"{probs.device.type} would end in a device-side assert)")
+
+
 @dataclass
 class Rollout:
     """One step's samples. B = prompts x G; P prompt columns; C completion columns."""
@@ -171,7 +187,10 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
         scores = logits
         for process in processors:
             scores = process(sequence, scores)
-        token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)  # (B,)
+        probs = torch.softmax(scores, -1)
+        if probs.is_cuda:
+            refuse_unsampleable(probs)
+        token = torch.multinomial(probs, 1).squeeze(1)  # (B,)
         token = torch.where(done, tokenizer.pad_token_id, token)
         sequence = torch.cat([sequence, token[:, None]], 1)  # (B, P + t + 1)
         done = done | (token == tokenizer.eos_token_id)

@@ -452,14 +452,23 @@ def _is_engine_step(step_fn: Callable) -> bool:
     return (step_fn.func if isinstance(step_fn, partial) else step_fn) is grpo_step
 
 
+def _ask_the_model(query: Callable):
+    """query(), or what stopped it: after a device-side assert (CUDA) every call on the
+    device fails, and the diagnosis still reports what the history holds."""
+    try:
+        return query()
+    except RuntimeError as e:
+        return f"unknown (the device failed: {str(e).strip().splitlines()[0]})"
+
+
 def diagnosis(run: Run) -> str:
     """What a person needs after a crash: where health was last fine, what broke first,
     and the grad-norm history leading up to it."""
     steps = [m for m in run.history if "grad_norm" in m]
     healthy = [m["step"] for m in run.history if m.get("nonfinite_params", 0) == 0]
     last_healthy = max(healthy) if healthy else None
-    bad_param = first_nonfinite_param(run.policy)
-    bad_grad = run.first_bad_grad or first_nonfinite_grad(run.policy)
+    bad_param = _ask_the_model(lambda: first_nonfinite_param(run.policy))
+    bad_grad = run.first_bad_grad or _ask_the_model(lambda: first_nonfinite_grad(run.policy))
     norms = ", ".join(f"{m['step']}: {m['grad_norm']:.3g}" for m in steps[-8:])
     median = statistics.median([m["grad_norm"] for m in steps]) if steps else float("nan")
     return "\n".join([

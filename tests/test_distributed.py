@@ -248,6 +248,24 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
     # the tiny model's ranks run on the CPU (gloo): seen refused on a 1-GPU machine before
     # the cpu profile's runs asked for the CPU (notebook 12's torchrun, 2026-11-25)
     assert distributed.launch_problem(requested_device(None, "cpu")) is None
+    # naming one GPU shares it between the ranks on purpose (notebook 12 on a 1-GPU machine)
+    assert "pass --device cuda:0" in problem
+    assert distributed.launch_problem("cuda:0") is None and distributed.launch_problem("cuda")
+
+
+def test_ranks_that_name_one_gpu_share_it_through_gloo(monkeypatch):
+    # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors
+    fake_gpus(monkeypatch, 1)
+    for k, v in dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="1", LOCAL_RANK="1").items():
+        monkeypatch.setenv(k, v)
+    joined = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda backend, timeout: joined.append(backend))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: joined.append(str(device)))
+    world, device = distributed.setup("cuda:0")
+    assert (world.world_size, str(device), joined) == (2, "cuda:0", ["cuda:0", "gloo"])
+    assert distributed.shares_one_gpu("cuda:0") and not distributed.shares_one_gpu("cuda")
 
 
 def test_prompts_must_split_evenly_over_ranks(monkeypatch):

@@ -68,6 +68,18 @@ def test_static_check_names_both_mistakes(scenario):
     assert "UnboundLocalError" in evidence and "NameError" in evidence
 
 
+def test_static_check_without_ruff_says_so_instead_of_clean(monkeypatch, tmp_path):
+    # a GPU image without ruff once printed "ruff: clean" for the broken source
+    from grpo_lab.field import scenarios
+
+    python_without_ruff = tmp_path / "python"
+    python_without_ruff.write_text("#!/bin/sh\necho \"$0: No module named ruff\" >&2\nexit 1\n")
+    python_without_ruff.chmod(0o755)
+    monkeypatch.setattr(scenarios.sys, "executable", str(python_without_ruff))
+    with pytest.raises(RuntimeError, match="needs ruff.*No module named ruff.*pip install ruff"):
+        scenarios.static_check(fixed=False)
+
+
 def test_cli_lists_and_runs_a_scenario():
     run = [sys.executable, "-m", "grpo_lab", "scenario"]
     listed = subprocess.run([*run, "--list"], capture_output=True, text=True, timeout=60)

@@ -7,10 +7,12 @@ import torch
 
 from grpo_lab.numerics import float64_logprobs, logprob_allowance
 from grpo_lab.sampling import (
+    MULTINOMIAL_ERROR,
     SamplingError,
     completion_mask_from_ids,
     encode_prompts,
     greedy_completions,
+    refuse_unsampleable,
     sample_group,
     transformers_messages,
 )
@@ -79,6 +81,20 @@ def test_nan_policy_crashes_plain_sampling_like_report_000(tiny):
     _poison(model)
     with pytest.raises(RuntimeError, match=r"probability tensor contains either `inf`, `nan`"):
         sample_group(model, tok, ["1+2="], 2, 5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_refuse_unsampleable_raises_what_cpu_multinomial_raises(bad):
+    # on CUDA decode_loop checks first: multinomial there is a device-side assert that ends
+    # the process; the check must raise the error torch.multinomial raises on the CPU
+    probs = torch.tensor([[0.5, 0.5], [0.25, 0.75]])
+    refuse_unsampleable(probs)  # valid rows pass
+    probs[1, 0] = bad
+    with pytest.raises(RuntimeError) as cpu:
+        torch.multinomial(probs, 1)
+    with pytest.raises(RuntimeError) as checked:
+        refuse_unsampleable(probs)
+    assert MULTINOMIAL_ERROR in str(cpu.value) and MULTINOMIAL_ERROR in str(checked.value)
 
 
 def test_safe_sampling_names_the_cause_instead(tiny):

@@ -241,6 +241,23 @@ def test_naive_preset_breaks_the_way_the_reports_describe(naive_crash):
     assert "first non-finite parameter: transformer" in trainer.diagnosis()
 
 
+def test_diagnosis_after_the_device_failed_still_reports_the_history(naive_crash, monkeypatch):
+    # after a CUDA device-side assert every call on the device fails; the diagnosis must not
+    trainer, _ = naive_crash
+    from grpo_lab import trainer as trainer_module
+
+    def device_gone(model):
+        raise RuntimeError("CUDA error: device-side assert triggered\nmore")
+
+    monkeypatch.setattr(trainer_module, "first_nonfinite_param", device_gone)
+    monkeypatch.setattr(trainer_module, "first_nonfinite_grad", device_gone)
+    monkeypatch.setattr(trainer.run, "first_bad_grad", None)
+    text = trainer.diagnosis()
+    assert "first non-finite parameter: unknown (the device failed: CUDA error: " \
+        "device-side assert triggered)" in text
+    assert "last healthy step: " in text and "grad norm median over the run: " in text
+
+
 def test_stable_preset_survives_what_breaks_naive():
     trainer = Trainer(preset("stable", steps=60, eval_every=0, eval_size=16))
     trainer.train(progress=False)

@@ -264,6 +264,11 @@ def static_check(fixed: bool) -> Outcome:
             env={**os.environ, "NO_COLOR": "1"},  # Jupyter kernels set FORCE_COLOR
         )
         found = [line.split(": ", 1)[1] for line in ruff.stdout.splitlines() if ": F" in line]
+    if ruff.returncode not in (0, 1) or (ruff.returncode == 1 and not found):
+        # no findings from a ruff that did not run is not "clean" (exit 1: findings, or no ruff)
+        raise RuntimeError("the static check needs ruff, which did not run for this Python "
+                           f"({sys.executable}): {(ruff.stderr.strip() or 'no output')[-300:]}; "
+                           "install it with: pip install ruff")
     namespace: dict = {}
     exec(compile(FIXED_SOURCE if fixed else BROKEN_SOURCE, "train_step.py", "exec"), namespace)
     errors = [
@@ -387,7 +392,9 @@ def launch_without_launcher(fixed: bool) -> Outcome:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     # the broken rank waits 3 s for the rank that never comes; torchrun's ranks get 10 s
     # for each other at every collective (rank 1 waits while rank 0 evaluates)
-    env.update(OMP_NUM_THREADS="1", GRPO_LAB_DIST_TIMEOUT="10")
+    # the tiny model on the CPU (gloo) under either profile, like every scenario but 000/002:
+    # under the gpu profile a 2-process launch on one GPU would be refused for another reason
+    env.update(OMP_NUM_THREADS="1", GRPO_LAB_DIST_TIMEOUT="10", GRPO_LAB_PROFILE="cpu")
     train = ["-m", "grpo_lab", "train", "--preset", "stable", "--steps", "1", "--no-progress",
              "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8"]
     with tempfile.TemporaryDirectory() as out:
