@@ -30,6 +30,8 @@ def notebook_results(junit: Path, expected: list[str]) -> dict:
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
             path = case.get("file") or case.get("classname", "").replace(".", "/")
+            if not path:  # a nameless, empty case (seen in pytest-xdist's report): no notebook
+                continue
             path = re.sub(r"/ipynb$", ".ipynb", path)
             outcome = "passed"
             for child in case:
@@ -61,8 +63,17 @@ def exit_codes(out: Path) -> dict[str, int | None]:
     return codes
 
 
-def card() -> tuple[str, str]:
+def card(out: Path) -> tuple[str, str]:
+    """The card and torch of the run: from its environment.txt (so that a summary rebuilt
+    elsewhere from the run's files names the run's machine), else this process's."""
     import platform
+
+    env = out / "environment.txt"
+    if env.exists():
+        lines = env.read_text().splitlines()
+        versions = next((ln.split() for ln in lines if ln.startswith("torch ")), None)
+        if versions and len(lines) > 2 and lines[2] != "no CUDA device":
+            return lines[2], versions[1]
 
     import torch
 
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--failed", type=int, default=0, help="commands failed before this one")
     ap.add_argument("--notebooks", nargs="*", default=[], help="the notebooks the run was given")
     args = ap.parse_args(argv)
-    name, torch_version = card()
+    name, torch_version = card(args.out)
     bench = {}
     bench_file = args.out / "bench.json"
     if bench_file.exists():

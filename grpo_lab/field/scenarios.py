@@ -29,7 +29,7 @@ from ..health import Snapshot, nonfinite_params
 from ..memo import SESSION_CACHE, once_per_session
 from ..objective import exact_kl, group_advantages, kl_k3
 from ..policy import load_policy
-from ..sampling import encode_prompts, generation_config, sample_group, transformers_messages
+from ..sampling import encode_prompts, generation_config, transformers_messages
 from ..tools import memory
 from ..trainer import Trainer, micro_batch_slices, read_metrics
 from . import bugs
@@ -85,7 +85,11 @@ def nan_params_sampling_crash(fixed: bool) -> Outcome:
     bad = nonfinite_params(model)
     if fixed:  # health check after the update: roll back before sampling again
         snapshot.restore(model, opt)
-    err = _error_text(lambda: sample_group(model, tok, ["12+34="], 4, 5))
+    # the report's sampler, generate(): torch.multinomial as it is, so that on CUDA this is
+    # the real device-side assert (the course's sampler checks first, sampling.refuse_unsampleable)
+    ids, mask = encode_prompts(tok, ["12+34="] * 4, model.device)
+    err = _error_text(lambda: model.generate(input_ids=ids, attention_mask=mask,
+                                             generation_config=generation_config(tok, 5, True)))
     if err:  # (on CUDA a device-side assert: nothing more may run on the device)
         return Outcome(True, f"{bad} non-finite parameters, then sampling: {err}")
     healthy = nonfinite_params(model)
