@@ -65,7 +65,7 @@ if [ "$device" = cuda ] && [ -z "${NOTEBOOK_WORKERS:-}" ]; then
   NOTEBOOK_WORKERS=$("$py" -c "import torch; print(max(1, min(14, torch.cuda.get_device_properties(0).total_memory // (11 << 30))))" 2>/dev/null || echo 7)
 fi
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-reserve=${RESERVE:-170}  # seconds kept for steps 3 to 6 after the notebooks (about 120 on an H200)
+reserve=${RESERVE:-150}  # seconds kept for steps 3 to 6 after the notebooks (about 120 on an H100)
 run environment "$py" -c "import torch, transformers, trl; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 if [ "$device" = cuda ]; then
   run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; from grpo_lab.models import count_parameters; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {count_parameters(m)} parameters, {time.time() - t:.1f} s')"
@@ -88,9 +88,16 @@ if [ "${ONLY:-}" = notebooks ]; then  # a rerun of the notebooks alone (the rest
     --notebooks $notebooks
   exit $((failed > 0))
 fi
+# the four scenario processes at once (each is mostly its own start-up: about 30 s apart,
+# 113 s one after the other on an H100); their outputs go to their files, shown after
 for side in "" --fixed; do
-  run "scenario-000$side" "$py" -m grpo_lab scenario nan-params-sampling-crash --device "$device" $side
-  run "scenario-002$side" "$py" -m grpo_lab scenario pad-token-vocab-mismatch --device "$device" $side
+  run "scenario-000$side" "$py" -m grpo_lab scenario nan-params-sampling-crash --device "$device" $side >/dev/null &
+  run "scenario-002$side" "$py" -m grpo_lab scenario pad-token-vocab-mismatch --device "$device" $side >/dev/null &
+done
+wait
+for name in scenario-000 scenario-002 scenario-000--fixed scenario-002--fixed; do
+  cat "$out/$name.txt"  # run's failure count was kept in the background shells: count here
+  grep -q '^(exit 0, ' "$out/$name.txt" || failed=$((failed + 1))
 done
 run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" ${memory[@]+"${memory[@]}"}
 run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}" --json "$out/bench.json"
