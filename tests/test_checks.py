@@ -467,3 +467,51 @@ def test_field_bugs_fail_with_a_reason(check, buggy, needle):
     assert result.status == "failed"
     assert needle in result.reason, result.reason
     assert result.use() is REFERENCES[check]
+
+
+def _first_bad_row_index(history):
+    return next((i for i, m in enumerate(history) if m.get("nonfinite_params", 0) > 0), None)
+
+
+def _last_bad_step(history):
+    return max((m["step"] for m in history if m.get("nonfinite_params", 0) > 0), default=None)
+
+
+def test_accumulated_step_whose_loss_metric_is_the_mean_of_the_parts_is_named():
+    from grpo_lab.course import hardening
+
+    def averaged(run, problems, loss_fn, update_fn, *args, **kwargs):
+        metrics = hardening.accumulated_grpo_step(run, problems, loss_fn, update_fn, *args,
+                                                  **kwargs)
+        return {**metrics, "loss": metrics["loss"] / run.cfg.grad_accum_steps}
+
+    result = nb08.check_accumulated_grpo_step(averaged)
+    assert not result.passed and "divided by k = 3" in result.reason, result.reason
+    assert "sum them, do not average them" in result.reason
+
+
+def _expected_gradient_summed_without_p(estimator, logits, ref_logits):
+    theta = logits.detach().clone().requires_grad_(True)
+    logp, logq = theta.log_softmax(-1), ref_logits.log_softmax(-1)
+    return torch.autograd.grad(estimator(logp, logq).sum(), theta)[0]
+
+
+def _expected_gradient_arguments_swapped(estimator, logits, ref_logits):
+    theta = logits.detach().clone().requires_grad_(True)
+    logp, logq = theta.log_softmax(-1), ref_logits.log_softmax(-1)
+    return torch.autograd.grad((logp.exp().detach() * estimator(logq, logp)).sum(), theta)[0]
+
+
+@pytest.mark.parametrize("check, wrong, words", [
+    (nb05.check_first_nonfinite_step, _first_bad_row_index,
+     "the row's position in the list, not its 'step'"),
+    (nb05.check_first_nonfinite_step, _last_bad_step,
+     "the last step with non-finite parameters; the first one is asked"),
+    (nb09.check_estimator_expected_gradient, _expected_gradient_summed_without_p,
+     "every token counted alike"),
+    (nb09.check_estimator_expected_gradient, _expected_gradient_arguments_swapped,
+     "its arguments the other way round"),
+])
+def test_a_wrong_answer_is_said_in_words(check, wrong, words):
+    result = check(wrong)
+    assert not result.passed and words in result.reason, result.reason

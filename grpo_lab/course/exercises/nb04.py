@@ -152,6 +152,18 @@ def _weights_over_padding(run, problems, loss_fn, update_fn):
         return steps.grpo_step(run, problems, loss_fn, update_fn)
 
 
+def _weights_over_longest_completion(run, problems, loss_fn, update_fn):
+    def over_c(mask, loss_type, max_new_tokens, **kw):
+        return token_weights(mask, loss_type, mask.shape[1], **kw)
+    with patched(steps, token_weights=over_c):
+        return steps.grpo_step(run, problems, loss_fn, update_fn)
+
+
+def _reward_metric_summed(run, problems, loss_fn, update_fn):
+    metrics = steps.grpo_step(run, problems, loss_fn, update_fn)
+    return {**metrics, "reward": metrics["reward"] * len(problems) * run.cfg.group_size}
+
+
 def _reference_is_policy(run, problems, loss_fn, update_fn):
     policy = run.policy
 
@@ -204,6 +216,15 @@ GRPO_STEP_MISTAKES = (
     Mistake("reference_is_policy", _reference_is_policy,
             "the reference log-probs come from the policy, not from `run.reference`: the KL "
             "term then measures nothing"),
+    Mistake("weights_over_longest_completion", _weights_over_longest_completion,
+            "the token weights divide by this batch's longest completion (the mask's C "
+            "columns) instead of `cfg.max_new_tokens`: Dr. GRPO's constant is the most a "
+            "completion may have, the same in every step, so that a batch of short completions "
+            "does not weigh more: `token_weights(mask, cfg.loss_type, cfg.max_new_tokens)`"),
+    Mistake("reward_metric_summed", _reward_metric_summed,
+            "metrics['reward'] is the sum of the batch's rewards; it is their mean, the "
+            "fraction of completions that scored (`rewards.mean().item()`), so that runs with "
+            "other batch sizes compare"),
     Mistake("sampler_flags_dropped", _sampler_flags_dropped,
             "your step does not pass `cfg.top_k` and `cfg.top_p` to the sampler: it samples "
             "from the whole distribution even when the config asks for top-k or nucleus "

@@ -21,6 +21,20 @@ def reference_first_nonfinite_step(history: list[dict]) -> int | None:
     return next((m["step"] for m in history if m.get("nonfinite_params", 0) > 0), None)
 
 
+def _first_bad_words(got, history: list[dict]) -> str:
+    """What a wrong answer of first_nonfinite_step is, in the history's terms ('' if
+    nothing fits)."""
+    bad = [i for i, m in enumerate(history) if m.get("nonfinite_params", 0) > 0]
+    if bad and got == bad[0] and got != history[bad[0]]["step"]:
+        return ("that is the row's position in the list, not its 'step': return "
+                "the row's m['step'] (a history may start at step 0 or 1)")
+    if len(bad) > 1 and got == history[bad[-1]]["step"]:
+        return "that is the last step with non-finite parameters; the first one is asked"
+    if got is None and bad:
+        return "a step has m['nonfinite_params'] > 0, and that one is the answer"
+    return ""
+
+
 def check_first_nonfinite_step(fn: Callable) -> CheckResult:
     ref = reference_first_nonfinite_step
     nan = float("nan")
@@ -36,7 +50,10 @@ def check_first_nonfinite_step(fn: Callable) -> CheckResult:
 
     def case(history, what):
         def run(f):
-            expect(f([dict(m) for m in history]), ref(history), what)
+            got, want = f([dict(m) for m in history]), ref(history)
+            if got != want and (why := _first_bad_words(got, history)):
+                raise Mismatch(f"{what} is wrong: yours is {got}, expected {want}: {why}")
+            expect(got, want, what)
         return run
 
     return run_check("first_nonfinite_step", fn, ref, [

@@ -192,7 +192,10 @@ def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
         theta = _leaf(logits)
         (raw,) = torch.autograd.grad((theta.softmax(-1).detach() * est(theta, ref_logits)).sum(),
                                      theta)
-        return full, uniform, raw
+        theta = _leaf(logits)
+        logp = theta.log_softmax(-1)
+        (swapped,) = torch.autograd.grad((logp.exp().detach() * est(logq, logp)).sum(), theta)
+        return full, uniform, raw, uniform * logits.numel(), swapped
 
     def case(est, name, logits, ref_logits):
         def run(f):
@@ -202,7 +205,7 @@ def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
             _grad_left(leaf, what)
             value = got.detach() if isinstance(got, torch.Tensor) else got
             want = ref(est, logits, ref_logits)
-            full, uniform, raw = wrong(est, logits, ref_logits)
+            full, uniform, raw, summed, swapped = wrong(est, logits, ref_logits)
             if same_value(value, full) and not close(full, want):
                 raise Mismatch(f"{what}: you differentiated the weights p(x) too (the full "
                                "gradient of sum_x p(x) k(x)); the sample comes from p and a "
@@ -210,6 +213,15 @@ def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
             if same_value(value, uniform) and not close(uniform, want):
                 raise Mismatch(f"{what}: you averaged over the vocabulary; weight each token's "
                                "gradient by p(x), its probability under the policy")
+            if same_value(value, summed) and not close(summed, want):
+                raise Mismatch(f"{what}: you summed the estimator's gradient over the "
+                               "vocabulary with every token counted alike; the expectation "
+                               "under the policy weighs token x by p(x): sum_x p(x).detach() "
+                               "* estimator(...)")
+            if same_value(value, swapped) and not close(swapped, want):
+                raise Mismatch(f"{what}: the estimator got its arguments the other way round, "
+                               "estimator(ref_logp, logp); it takes (logp, ref_logp), the "
+                               "policy's log-probabilities first")
             if same_value(value, raw) and not close(raw, want):
                 raise Mismatch(f"{what}: pass the estimator log-probabilities, log_softmax of "
                                "the logits, not the raw logits")
