@@ -18,6 +18,9 @@
 #      tokens/s, MFU; 6. summary.json: card, date, commit, notebooks passed and total, seconds,
 #      the bench per side, the step-time ratio.
 # ONLY=notebooks: steps 1, 2 and 6 only (a rerun of the notebooks after a full run).
+# ONLY=executed: steps 1 and 2, but each notebook run to its end with every error kept and
+#   its outputs saved in OUT_DIR/executed/ (benchmarks/execute_keep_outputs.py): the numbers
+#   a claim's threshold for the gpu profile is set from.
 # COMMIT: the commit to record (default: git rev-parse HEAD where .git is there).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -76,6 +79,13 @@ limit=()
 if [ "$deadline" -gt 0 ]; then
   left=$((deadline - reserve - SECONDS))
   limit=(timeout -s INT -k 30 $((left > 30 ? left : 30)))
+fi
+if [ "${ONLY:-}" = executed ]; then  # every cell run, errors kept, outputs saved: numbers
+  # shellcheck disable=SC2086
+  run executed ${limit[@]+"${limit[@]}"} env GRPO_LAB_PROFILE="$profile" "$py" \
+    benchmarks/execute_keep_outputs.py $notebooks --out "$out/executed" \
+    --workers "${NOTEBOOK_WORKERS:-2}"
+  exit $((failed > 0))
 fi
 notebooks_start=$SECONDS
 # shellcheck disable=SC2086  # NOTEBOOKS is a list of paths (globs allowed)
