@@ -80,7 +80,8 @@ class GRPOConfig:
     grad_accum_steps: int = 1
     """split each step's batch into this many micro-batches; the gradient is identical"""
     amp: str = "none"
-    """mixed precision for the training forward: 'none', 'bf16', or 'fp16' (GradScaler)"""
+    """mixed precision for the training and reference forwards: 'none', 'bf16', or 'fp16'
+    (GradScaler); 'bf16' also samples under autocast (fp32 master weights throughout)"""
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens without end-of-text out of the loss (TRL's
     switch of the same name); they still count in their group's advantages"""

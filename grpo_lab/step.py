@@ -187,6 +187,14 @@ def autocast(run: Run):
     return torch.autocast(run.device.type, dtype=dtype)
 
 
+def sampling_autocast(run: Run):
+    """The sampler's forwards under bf16 autocast when cfg.amp is 'bf16' (the sampled
+    logits are cast back to float32 before any processor); under 'fp16' sampling stays in
+    float32: float16's range ends at 65504, and a logit past it would be inf (report 001's
+    float16/float32 mix), where bfloat16 has float32's range."""
+    return autocast(run) if run.cfg.amp == "bf16" else nullcontext()
+
+
 def batch_weights(run: Run, loss_mask: torch.Tensor) -> torch.Tensor:
     """(B, C) -> (B, C) token weights normalised over the global batch: this rank's rows
     times the world size, and the loss tokens summed over ranks."""
@@ -202,13 +210,14 @@ def make_batch(run: Run, problems: list[Problem], sample_fn: Callable | None = N
     (called as sample_group is) replaces the engine's sampler."""
     cfg = run.cfg
     prompts = [p.prompt for p in problems]
-    if sample_fn is None:
-        rollout = sample_group(run.policy, run.tokenizer, prompts, cfg.group_size,
-                               cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                               safe=cfg.safe_sampling, logit_clamp=cfg.logit_clamp)
-    else:
-        rollout = sample_fn(run.policy, run.tokenizer, prompts, cfg.group_size,
-                            cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    with sampling_autocast(run):
+        if sample_fn is None:
+            rollout = sample_group(run.policy, run.tokenizer, prompts, cfg.group_size,
+                                   cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                                   safe=cfg.safe_sampling, logit_clamp=cfg.logit_clamp)
+        else:
+            rollout = sample_fn(run.policy, run.tokenizer, prompts, cfg.group_size,
+                                cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
     # the columns a reward function gets besides the completions (TRL's **kwargs)
     columns = {"answer": [p.answer for p in problems for _ in range(cfg.group_size)],
                "truncated": rollout.truncated.tolist()}

@@ -273,6 +273,24 @@ def test_amp_steps_are_finite(tiny, amp):
         assert math.isfinite(m["loss"]) and m["nonfinite_params"] == 0
 
 
+@pytest.mark.parametrize("amp, sampled_in", [("bf16", torch.bfloat16), ("fp16", torch.float32),
+                                              ("none", torch.float32)])
+def test_bf16_samples_under_autocast_and_fp16_does_not(tiny, amp, sampled_in):
+    # the policy's forwards in make_batch are the sampler's only (the reference is its own
+    # model); fp16 samples in float32: a logit past 65504 would be inf there
+    model, tok = tiny
+    trainer = Trainer(preset("stable", amp=amp, steps=1), model, tok)
+    seen = []
+    block = trainer.policy.transformer.h[0].mlp.c_fc
+    handle = block.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    try:
+        batch = trainer.make_batch()
+    finally:
+        handle.remove()
+    assert seen and set(seen) == {sampled_in}, seen
+    assert batch.rollout.sampling_logprobs.dtype == torch.float32
+
+
 def test_fp16_skip_keeps_the_grad_scaler_consistent(tiny):
     """Report 004: skipping after a NaN must not leave GradScaler expecting a step."""
     model, tok = tiny
