@@ -81,6 +81,22 @@ def test_the_gpu_peak_is_the_longest_name_that_matches(name, peak):
     assert bench.known_peak(name)[0] == peak
 
 
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H200", 989.5),
+    ("NVIDIA H100 NVL", None),  # its figure is not certain here: --peak-tflops
+])
+def test_with_bf16_the_peak_is_the_bf16_one(name, peak):
+    value, source = bench.known_peak(name, "bf16")
+    assert value == peak and (peak is None or source.endswith("bfloat16"))
+
+
+def test_bf16_reaches_both_sides():
+    args = bench.parse_args(["--amp", "bf16", "--steps", "2"])
+    assert bench.bench_config(args).amp == "bf16"
+    command = bench.side_command("TRL", 0, args)
+    assert command[command.index("--amp") + 1] == "bf16"
+
+
 FAKE_SIDE = """
 import json, sys, time
 from grpo_lab.tools.turns import RESULT, Progress

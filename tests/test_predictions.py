@@ -73,3 +73,10 @@ def test_notebooks_05_to_10_each_ask_for_a_prediction_before_they_measure():
              if nb["predictions"]}
     assert sorted(asked) == ["05", "06", "07", "08", "09", "10"]
     assert sorted(q for qs in asked.values() for q in qs) == sorted(QUESTIONS)
+
+
+def test_reveal_prints_its_line_once_in_a_notebook(capsys):
+    # as a cell's last line its return value would be displayed again under the print
+    line = reveal(predict("07-rollbacks", low=1, high=5), 3)
+    assert capsys.readouterr().out.count("measured 3") == 1
+    assert hasattr(line, "_ipython_display_") and line.endswith("inside your range")

@@ -116,9 +116,17 @@ def predict(question: str, **values) -> Prediction:
     return p
 
 
+class Revealed(str):
+    """reveal's line: a str that a notebook does not show again as the cell's value (it was
+    printed already; as the last line of a cell it would appear twice)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
 def reveal(prediction: Prediction, measured) -> str:
     """After the measurement: print the prediction next to what was measured, and how far
-    off it was; return that line."""
+    off it was; return that line (a Revealed, which a notebook does not display twice)."""
     q = QUESTIONS[prediction.question]
     got = f"{measured:.3g}" if isinstance(measured, (int, float)) else repr(measured)
     if prediction.problem:
@@ -138,7 +146,7 @@ def reveal(prediction: Prediction, measured) -> str:
                 verdict += f" ({measured / edge:.2g} x the nearer bound)"
         line = f"you predicted {low:g} to {high:g}; measured {got}: {verdict}"
     print(f"🔮 {line}")
-    return line
+    return Revealed(line)
 
 
 def _shown(q: Question, values: dict) -> str:

@@ -55,6 +55,10 @@ EVAL_SIZE = 256
 PEAK_FP32_TFLOPS = {"H200": 67.0, "H100 PCIe": 51.0, "H100 NVL": 60.0, "H100": 67.0,
                     "A100": 19.5, "L40S": 91.6, "L40": 90.5, "L4": 30.3, "A10G": 31.2,
                     "T4": 8.1}
+# dense bfloat16 tensor-core peaks (the datasheets' figures "with sparsity", halved); None:
+# not certain here (the name must still be listed, or "H100" would match it): --peak-tflops
+PEAK_BF16_TFLOPS = {"H200": 989.5, "H100 PCIe": 756.5, "H100 NVL": None, "H100": 989.5,
+                    "A100": 312.0, "L40S": 362.05, "L40": None, "L4": 121.0, "A10G": None}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,9 +74,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="'cpu' or 'cuda'")
     ap.add_argument("--profile", default="cpu",
                     help="'cpu' (the shipped tiny GPT-2) or 'gpu' (GPT-2 124M; needs --device cuda)")
+    ap.add_argument("--amp", default="none", choices=("none", "bf16"),
+                    help="'bf16': grpo_lab's amp='bf16' (sampling, reference and training "
+                         "forwards under bf16 autocast) against TRL's bf16=True, fp32 master "
+                         "weights on both sides; MFU against the bf16 peak")
     ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="the device's peak TFLOP/s for MFU (default: the known float32 peak of "
-                         "the GPU; on CPU no MFU is printed without it)")
+                    help="the device's peak TFLOP/s for MFU (default: the known float32, or "
+                         "with --amp bf16 bfloat16, peak of the GPU; on CPU no MFU is printed "
+                         "without it)")
     ap.add_argument("--json", metavar="FILE", help="also write every figure, per side, as JSON")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
     args = ap.parse_args(argv)
@@ -97,7 +106,8 @@ def bench_config(args: argparse.Namespace):
     knobs it shares with it from this config."""
 
     return preset("stable", seed=args.seed, steps=args.steps, profile=args.profile,
-                  device=args.device, eval_every=0, eval_size=EVAL_SIZE, checkpoint_every=0)
+                  device=args.device, eval_every=0, eval_size=EVAL_SIZE, checkpoint_every=0,
+                  amp=args.amp)
 
 
 def model_flops_per_step(n_params: int, rows: int, tokens_per_row: float, beta: float,
@@ -133,14 +143,16 @@ def peak_tflops(args: argparse.Namespace) -> tuple[float | None, str]:
         return None, ""
     import torch
 
-    return known_peak(torch.cuda.get_device_name())
+    return known_peak(torch.cuda.get_device_name(), args.amp)
 
 
-def known_peak(device_name: str) -> tuple[float | None, str]:
-    matches = sorted((k for k in PEAK_FP32_TFLOPS if k in device_name), key=len, reverse=True)
-    if not matches:
+def known_peak(device_name: str, amp: str = "none") -> tuple[float | None, str]:
+    peaks, dtype = (PEAK_BF16_TFLOPS, "bfloat16") if amp == "bf16" else (PEAK_FP32_TFLOPS,
+                                                                         "float32")
+    matches = sorted((k for k in peaks if k in device_name), key=len, reverse=True)
+    if not matches or peaks[matches[0]] is None:
         return None, device_name
-    return PEAK_FP32_TFLOPS[matches[0]], f"{device_name}, float32"
+    return peaks[matches[0]], f"{device_name}, {dtype}"
 
 
 # ---- the two sides, each in its own process ------------------------------------------------
@@ -262,9 +274,9 @@ def _trl_trainer(args, cfg, model, tokenizer, dataset, out_dir: str):
         lr_scheduler_type="constant",
         warmup_steps=0,
         max_grad_norm=cfg.max_grad_norm,
-        # precision and memory: float32 like grpo_lab (amp="none"; TRL defaults to bf16)
+        # precision and memory: grpo_lab's amp (float32 by default; TRL defaults to bf16)
         # and no activation checkpointing (TRL defaults to it; grpo_lab's stable has it off)
-        bf16=False,
+        bf16=cfg.amp == "bf16",
         activation_checkpointing=False,
         disable_dropout=True,
         # no eval, no saving, no reporting; logging stays at TRL's default interval, and
@@ -334,7 +346,7 @@ def side_command(side: str, seed: int, args: argparse.Namespace) -> list[str]:
     """The command that runs one side for one seed in a fresh process."""
     return [sys.executable, "-m", "grpo_lab.tools.bench", "--side", side, "--steps",
             str(args.steps), "--seed", str(seed), "--threads", str(args.threads), "--device",
-            args.device, "--profile", args.profile]
+            args.device, "--profile", args.profile, "--amp", args.amp]
 
 
 def merge(runs: list[dict]) -> dict:
@@ -399,7 +411,8 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
         f"prompts x G={cfg.group_size} = {per_step} completions/step, max "
         f"{cfg.max_new_tokens} new tokens, T={cfg.temperature:g}, lr {cfg.learning_rate:g} "
         f"(constant), beta {cfg.beta:g}, loss {cfg.loss_type}, max_grad_norm "
-        f"{cfg.max_grad_norm:g}, {len(seeds)} seed(s)",
+        f"{cfg.max_grad_norm:g}, {len(seeds)} seed(s), "
+        + ("bf16 autocast, fp32 weights" if cfg.amp == "bf16" else "float32"),
         "",
         *table,
         *(per_seed if len(seeds) > 1 else []),
