@@ -53,7 +53,9 @@ run() {  # run NAME CMD...: print and save the command and its output, keep goin
 }
 
 if [ "$device" = cuda ]; then
-  profile=gpu; memory=(); bench=(--steps 50 --seeds 1)
+  # the bench under bf16 autocast (BENCH_AMP=none: float32; 2026-11-27's H100 figure, 1.227,
+  # was float32)
+  profile=gpu; memory=(); bench=(--steps 50 --seeds 1 --amp "${BENCH_AMP:-bf16}")
   notebooks=${NOTEBOOKS:-solutions/*.ipynb labs/*.ipynb}
   deadline=${GPU_DEADLINE:-560}
 else

@@ -257,6 +257,13 @@ def test_diagnosis_after_the_device_failed_still_reports_the_history(naive_crash
         "device-side assert triggered)" in text
     assert "last healthy step: " in text and "grad norm median over the run: " in text
 
+    def a_bug(model):
+        raise RuntimeError("shape mismatch")  # not the device: the diagnosis must not hide it
+
+    monkeypatch.setattr(trainer_module, "first_nonfinite_param", a_bug)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        trainer.diagnosis()
+
 
 def test_stable_preset_survives_what_breaks_naive():
     trainer = Trainer(preset("stable", steps=60, eval_every=0, eval_size=16))
