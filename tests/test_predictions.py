@@ -39,7 +39,7 @@ def test_reveal_says_how_far_off_the_prediction_was(capsys):
     inside = reveal(predict("07-rollbacks", low=1, high=5), 3)
     assert inside == "you predicted 1 to 5; measured 3: inside your range"
     above = reveal(predict("09-clamp-growth", low=2, high=4), 1.3512)
-    assert above == "you predicted 2 to 4; measured 1.35: outside your range, by 0.649 (0.68 x the nearer bound)"
+    assert above == "you predicted 2 to 4; measured 1.35: outside your range, by 0.649 (0.676 x the nearer bound)"
     assert reveal(predict("06-clamp-only-nan-seeds", choice="3"), "0").endswith("not this time")
     none = reveal(predict("05-crash-step", low=None, high=None), 23)
     assert none == "measured: 23 step (no well-formed prediction was made)"

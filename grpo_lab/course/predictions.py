@@ -143,7 +143,7 @@ def reveal(prediction: Prediction, measured) -> str:
             edge = low if measured < low else high
             verdict = f"outside your range, by {abs(measured - edge):.3g}"
             if edge:
-                verdict += f" ({measured / edge:.2g} x the nearer bound)"
+                verdict += f" ({measured / edge:.3g} x the nearer bound)"
         line = f"you predicted {low:g} to {high:g}; measured {got}: {verdict}"
     print(f"🔮 {line}")
     return Revealed(line)
