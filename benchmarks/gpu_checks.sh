@@ -52,6 +52,13 @@ run() {  # run NAME CMD...: print and save the command and its output, keep goin
   [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
 
+summarize() {  # 6. the one summary of what ran
+  # shellcheck disable=SC2086  # NOTEBOOKS is a list of paths (globs allowed)
+  run summary "$py" benchmarks/gpu_summary.py "$out" --commit "$commit" \
+    --seconds "$SECONDS" --notebook-seconds "$notebook_seconds" --failed "$failed" \
+    --notebooks $notebooks
+}
+
 if [ "$device" = cuda ]; then
   # the bench under bf16 autocast (BENCH_AMP=none: float32; 2026-11-27's H100 figure, 1.227,
   # was float32)
@@ -95,13 +102,11 @@ run notebooks ${limit[@]+"${limit[@]}"} env GRPO_LAB_PROFILE="$profile" "$py" -m
   -n "${NOTEBOOK_WORKERS:-2}" --junitxml="$out/notebooks.xml" $notebooks
 notebook_seconds=$((SECONDS - notebooks_start))
 if [ "${ONLY:-}" = notebooks ]; then  # a rerun of the notebooks alone (the rest ran already)
-  run summary "$py" benchmarks/gpu_summary.py "$out" --commit "$commit" \
-    --seconds "$SECONDS" --notebook-seconds "$notebook_seconds" --failed "$failed" \
-    --notebooks $notebooks
+  summarize
   exit $((failed > 0))
 fi
 # the four scenario processes at once (each is mostly its own start-up: about 30 s apart,
-# 113 s one after the other on an H100); their outputs go to their files, shown after
+# 116 s one after the other on an H100); their outputs go to their files, shown after
 for side in "" --fixed; do
   run "scenario-000$side" "$py" -m grpo_lab scenario nan-params-sampling-crash --device "$device" $side >/dev/null &
   run "scenario-002$side" "$py" -m grpo_lab scenario pad-token-vocab-mismatch --device "$device" $side >/dev/null &
@@ -113,9 +118,6 @@ for name in scenario-000 scenario-002 scenario-000--fixed scenario-002--fixed; d
 done
 run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" ${memory[@]+"${memory[@]}"}
 run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}" --json "$out/bench.json"
-# shellcheck disable=SC2086
-run summary "$py" benchmarks/gpu_summary.py "$out" --commit "$commit" \
-  --seconds "$SECONDS" --notebook-seconds "$notebook_seconds" --failed "$failed" \
-  --notebooks $notebooks
+summarize
 echo "outputs in $out; $failed command(s) failed"
 exit $((failed > 0))

@@ -79,4 +79,7 @@ def test_reveal_prints_its_line_once_in_a_notebook(capsys):
     # as a cell's last line its return value would be displayed again under the print
     line = reveal(predict("07-rollbacks", low=1, high=5), 3)
     assert capsys.readouterr().out.count("measured 3") == 1
-    assert hasattr(line, "_ipython_display_") and line.endswith("inside your range")
+    assert line.endswith("inside your range")
+    from IPython.core.formatters import DisplayFormatter  # what a cell's value goes through
+
+    assert DisplayFormatter().format(line) == ({}, {})  # nothing shown again

@@ -247,7 +247,7 @@ def test_diagnosis_after_the_device_failed_still_reports_the_history(naive_crash
     from grpo_lab import trainer as trainer_module
 
     def device_gone(model):
-        raise RuntimeError("CUDA error: device-side assert triggered\nmore")
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered\nmore")
 
     monkeypatch.setattr(trainer_module, "first_nonfinite_param", device_gone)
     monkeypatch.setattr(trainer_module, "first_nonfinite_grad", device_gone)

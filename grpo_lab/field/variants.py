@@ -10,9 +10,8 @@ import math
 
 from ..config import GRPOConfig
 from ..memo import once_per_session
+from ..sampling import MULTINOMIAL_ERROR
 from ..trainer import Trainer
-
-SAMPLING_CRASH = "probability tensor contains"  # torch.multinomial on NaN weights (notebook 05)
 
 
 @once_per_session
@@ -32,7 +31,7 @@ def short_run(cfg: GRPOConfig) -> dict:
         while trainer.step_count < cfg.steps:
             trainer.step()
     except RuntimeError as e:
-        if SAMPLING_CRASH not in str(e):
+        if MULTINOMIAL_ERROR not in str(e):
             raise
         crash = trainer.step_count + 1
     h = trainer.history

@@ -18,7 +18,16 @@ from ...sampling import (
 from ...step import micro_batch_slices
 from ...tasks import ProblemStream
 from .. import hardening, steps
-from .base import CheckResult, Exercise, Mismatch, Mistake, compare_all, expect, run_check
+from .base import (
+    CheckResult,
+    Exercise,
+    Mismatch,
+    Mistake,
+    close,
+    compare_all,
+    expect,
+    run_check,
+)
 from .fixtures import (
     check_step_contract,
     drive_a_step,
@@ -204,11 +213,10 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
                 if key not in got:
                     raise Mismatch(f"the metrics have no {key!r} (keys: {sorted(got)[:8]})")
                 value, expected = float(got[key]), float(want["metrics"][key])
-                within = abs(value - expected) <= 1e-5 + 1e-4 * abs(expected)  # as expect()
                 # the mean of the parts: k times it is the full batch's loss up to the
                 # rounding of a sum in another order; the loss is a near-cancelling sum (parts
                 # of 3e-2 add up to 3e-5 here), so that rounding is relatively large: 1%
-                if key == "loss" and not within and value and \
+                if key == "loss" and not close(value, expected) and value and \
                         abs(value * k - expected) <= 0.01 * abs(expected):
                     raise Mismatch(f"metrics['loss'] is {value:.6g}, expected {expected:.6g}: "
                                    f"the whole batch's loss divided by k = {k}; each "

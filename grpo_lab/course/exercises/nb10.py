@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...field.variants import SAMPLING_CRASH
 from ...sampling import (
+    MULTINOMIAL_ERROR,
     completion_mask_from_ids,
 )
 from .. import steps
@@ -132,7 +132,7 @@ def check_completion_mask_any_eos(fn: Callable) -> CheckResult:
     ])
 
 
-MULTINOMIAL = SAMPLING_CRASH  # the start of torch.multinomial's message on NaN weights
+MULTINOMIAL = MULTINOMIAL_ERROR  # torch.multinomial's message on NaN weights (on the CPU)
 
 
 def check_safe_sample(fn: Callable) -> CheckResult:
