@@ -9,11 +9,18 @@ runs these instead where they give the same numbers faster:
 - `fuse_gelu`: torch's one-kernel tanh GELU in place of GPT-2's five-op `gelu_new`.
 - `fused_adamw`: AdamW as one fused kernel over all parameters (TRL's default too), and
   `keep_fused` to keep it fused when a checkpoint's param groups are loaded.
+- `cached_forward`: GPT-2's forward written out over the model's own modules, for the
+  sampler and the shared-prompt forwards, without transformers' per-call machinery (mask
+  building, cache objects, output records): on the tiny model that machinery costs as much
+  as the arithmetic of a decode step. Any other model keeps transformers' forward.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 
 from .objective import completion_logits, position_ids_from_mask, scale_logits
 from .startup import gc_paused
@@ -56,21 +63,109 @@ def _logits_from_prompt_cache(model, input_ids, attention_mask, C, prompt_ids, p
     """(B, C, V) unscaled completion logits, each of the U distinct prompts run once; None
     when the model returns no KV cache."""
     P = prompt_ids.shape[1]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                position_ids=position_ids_from_mask(prompt_mask), use_cache=True)
-    cache = out.cache
+    forward = cached_forward(model)
+    logits, cache = forward(prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask))
     if cache is None:
         return None
-    cache.batch_select_indices(row_prompt)  # keys and values (U, ...) -> (B, ...), per row
-    logits = out.logits[row_prompt, -1:]  # (B, 1, V): the prompt's last position predicts token 1
+    cache = select_rows(cache, row_prompt)  # keys and values (U, ...) -> (B, ...), per row
+    logits = logits[row_prompt, -1:]  # (B, 1, V): the prompt's last position predicts token 1
     if C > 1:  # completion tokens 1..C-1 predict tokens 2..C, attending to their prompt's cache
         position_ids = position_ids_from_mask(attention_mask)
-        rest = model(
-            input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids[:, P:-1], cache=cache, use_cache=True,
-        ).logits  # (B, C - 1, V)
+        rest, _ = forward(input_ids[:, P:-1], attention_mask[:, :-1], position_ids[:, P:-1],
+                          cache)  # (B, C - 1, V)
         logits = torch.cat([logits, rest], dim=1)  # (B, C, V)
     return logits
+
+
+# ---- GPT-2's forward, written out --------------------------------------------------------
+def cached_forward(model: torch.nn.Module):
+    """The forward the sampler and the shared-prompt path call:
+    (ids (B, T), key mask (B, S), position ids (B, T), cache or None) -> (logits (B, T, V),
+    cache), where the cache holds the keys and values of all S columns (None: the model kept
+    none). `gpt2_forward` where it computes what transformers' forward computes (`writes_out`),
+    else transformers' forward with its own cache object."""
+    if writes_out(model):
+        return lambda ids, mask, positions, cache=None: gpt2_forward(model, ids, mask,
+                                                                    positions, cache)
+
+    def transformers_forward(ids, mask, positions, cache=None):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                    use_cache=True)
+        return out.logits, out.cache
+    return transformers_forward
+
+
+def select_rows(cache, rows: int | torch.Tensor):
+    """The cache with a prompt's keys and values for each row of its group: `rows` is each
+    row's prompt (B,), or g for g consecutive rows per prompt."""
+    if isinstance(cache, list):  # gpt2_forward's: (keys, values) per layer
+        if isinstance(rows, int):
+            return [(k.repeat_interleave(rows, 0), v.repeat_interleave(rows, 0)) for k, v in cache]
+        return [(k[rows], v[rows]) for k, v in cache]
+    if isinstance(rows, int):  # transformers' Cache, in place
+        cache.batch_repeat_interleave(rows)
+    else:
+        cache.batch_select_indices(rows)
+    return cache
+
+
+def writes_out(model: torch.nn.Module) -> bool:
+    """gpt2_forward reproduces this model's forward: a GPT2LMHeadModel with no dropout
+    active, no activation checkpointing active, and none of the options it leaves out
+    (cross-attention, per-layer attention scaling, upcast attention)."""
+    if type(model).__name__ != "GPT2LMHeadModel":
+        return False
+    cfg = model.config
+    if (cfg.add_cross_attention or cfg.scale_attn_by_inverse_layer_idx
+            or cfg.reorder_and_upcast_attn):
+        return False
+    if model.training and (model.is_activation_checkpointing
+                           or any(m.p > 0 for m in _dropouts(model))):
+        return False
+    return True
+
+
+_DROPOUTS = weakref.WeakKeyDictionary()
+
+
+def _dropouts(model: torch.nn.Module) -> list[torch.nn.Dropout]:
+    """The model's dropout modules, found once per model (a walk over every module costs
+    more than a decode step's bookkeeping); their rates are read at each call."""
+    if model not in _DROPOUTS:
+        _DROPOUTS[model] = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    return _DROPOUTS[model]
+
+
+def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):
+    """GPT-2 (GPT2LMHeadModel, `writes_out`) over the model's own modules and parameters:
+    (B, T) ids and positions, the (B, S) 0/1 mask of all S = cached + T columns, the cache
+    (a list of (keys, values) per layer, or None) -> ((B, T, V) logits, the cache with
+    these T columns added)."""
+    tr, cfg = model.transformer, model.config
+    B, T = input_ids.shape
+    D, H = cfg.n_embd, cfg.n_head
+    S = attention_mask.shape[1]
+    scale = (D // H) ** -0.5 if cfg.scale_attn_weights else 1.0  # GPT2Attention's
+    # query i sits at column S - T + i: it sees the unmasked columns up to its own, and
+    # always itself, so a padding query is never left with no key (its output is unused)
+    cols = torch.arange(S, device=input_ids.device)
+    own = cols[S - T:, None]  # (T, 1)
+    visible = ((cols <= own) & attention_mask.bool()[:, None, :]) | (cols == own)  # (B, T, S)
+    visible = visible[:, None]  # (B, 1, T, S): one mask for every head
+    h = tr.wte(input_ids) + tr.wpe(position_ids)
+    present = []
+    for layer, block in enumerate(tr.h):
+        attn = block.attn
+        q, k, v = (x.view(B, T, H, -1).transpose(1, 2)
+                   for x in attn.c_attn(block.ln_1(h)).split(D, dim=2))  # (B, H, T, D/H)
+        if cache is not None:
+            k, v = torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)
+        present.append((k, v))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        h = h + attn.c_proj(a.transpose(1, 2).reshape(B, T, D))
+        mlp = block.mlp
+        h = h + mlp.c_proj(mlp.act(mlp.c_fc(block.ln_2(h))))
+    return model.lm_head(tr.ln_f(h)), present
 
 
 class CompletionLogits(torch.nn.Module):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .fast import cached_forward, select_rows
 from .objective import position_ids_from_mask, scale_logits, token_logprobs
 from .startup import gc_paused
 from .tasks import addition_reward
@@ -173,12 +174,12 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
+    forward = cached_forward(model)  # fast.py: GPT-2's forward without transformers' overhead
     ids, mask = prompt_ids[::group_size], prompt_mask[::group_size]  # (B/G, P)
     positions = position_ids_from_mask(mask)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    cache = out.cache
-    cache.batch_repeat_interleave(group_size)  # (B/G, ...) -> (B, ...)
-    logits = out.logits[:, -1].float().repeat_interleave(group_size, 0)  # (B, V)
+    logits, cache = forward(ids, mask, positions)
+    cache = select_rows(cache, group_size)  # (B/G, ...) -> (B, ...)
+    logits = logits[:, -1].float().repeat_interleave(group_size, 0)  # (B, V)
     mask, position = prompt_mask, positions[:, -1:].repeat_interleave(group_size, 0)
     done = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)  # (B,) row hit EOS
     sequence, raw = prompt_ids, []
@@ -197,8 +198,8 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         mask, position = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), position + 1
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                       cache=cache, use_cache=True).logits[:, -1].float()  # (B, V)
+        logits, cache = forward(token[:, None], mask, position, cache)
+        logits = logits[:, -1].float()  # (B, V)
     return sequence[:, prompt_ids.shape[1]:], torch.stack(raw, 1)
 
 

@@ -316,8 +316,7 @@ def accumulate(run: Run, batch: StepBatch, loss_fn: LossFn,
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The norm of all the gradients together, in float32 (clip_grad_norm_'s, what TRL logs)."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
-                                                 for g in grads]))
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g.float() for g in grads])))
 
 
 def is_spike(grad_norm: float, recent, factor: float | None) -> bool:
@@ -334,7 +333,8 @@ def guarded_update(run: Run) -> tuple[float, int]:
     cfg, params = run.cfg, list(run.policy.parameters())
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
-    grad_norm = global_grad_norm([p.grad for p in params if p.grad is not None]).item()
+    total_norm = global_grad_norm([p.grad for p in params if p.grad is not None])
+    grad_norm = total_norm.item()
     run.last_grad_norm = grad_norm
     finite = math.isfinite(grad_norm)
     if not finite and run.first_bad_grad is None:
@@ -357,7 +357,8 @@ def guarded_update(run: Run) -> tuple[float, int]:
             run.scaler.update()
         return grad_norm, 1
     if cfg.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        # clip_grad_norm_ would compute the same norm again
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, total_norm)
     if run.scaler:
         scale = run.scaler.get_scale()
         run.scaler.step(run.optimizer)

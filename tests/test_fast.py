@@ -6,9 +6,17 @@ import pytest
 import torch
 from transformers.activations import NewGELUActivation
 
-from grpo_lab.fast import fuse_gelu, fused_adamw, keep_fused, shared_prompt_logits
+from grpo_lab.fast import (
+    cached_forward,
+    fuse_gelu,
+    fused_adamw,
+    gpt2_forward,
+    keep_fused,
+    shared_prompt_logits,
+    writes_out,
+)
 from grpo_lab.numerics import as_accurate_bound
-from grpo_lab.objective import completion_logits
+from grpo_lab.objective import completion_logits, position_ids_from_mask
 from grpo_lab.sampling import sample_group
 
 pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
@@ -30,7 +38,8 @@ def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
         ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
         batch_sizes.append(len(ids))
 
-    hook = model.transformer.register_forward_pre_hook(count_rows, with_kwargs=True)
+    # every forward embeds its ids first: transformers' and fast.gpt2_forward alike
+    hook = model.transformer.wte.register_forward_pre_hook(count_rows, with_kwargs=True)
 
     def logits_and_grad(share: bool, net=model):
         net.zero_grad(set_to_none=True)
@@ -60,6 +69,57 @@ def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
     gerr_shared = (g_shared.double() - g_truth).norm().item()
     assert gerr_shared <= as_accurate_bound(gerr_full, g_truth.norm().item()), (
         gerr_shared, gerr_full)
+
+
+def test_gpt2_forward_is_the_transformers_forward(tiny):
+    """fast.gpt2_forward, over left-padded rows: in one call and as a prompt then its
+    continuation from the cache, the logits at every real position are transformers'
+    logits, as accurate against the float64 forward as transformers' own."""
+    model, tok = tiny
+    enc = tok(["1+2=3", "12+34=46", "5+67=72"], return_tensors="pt", padding=True)
+    ids, mask = enc.input_ids, enc.attention_mask
+    assert not mask.all(), "the rows must be padded for this test to mean anything"
+    pos = position_ids_from_mask(mask)
+    real = mask.bool()[..., None]
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        whole, _ = gpt2_forward(model, ids, mask, pos)
+        P = 4  # a prompt, then the rest attending to its cache
+        head, cache = gpt2_forward(model, ids[:, :P], mask[:, :P], pos[:, :P])
+        tail, cache = gpt2_forward(model, ids[:, P:], mask, pos[:, P:], cache)
+        double = copy.deepcopy(model).double()
+        truth = double(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert [k.shape[2] for k, _ in cache] == [ids.shape[1]] * model.config.n_layer
+    err_plain = ((plain.double() - truth).abs() * real).max().item()
+    for mine in (whole, torch.cat([head, tail], 1)):
+        assert torch.isfinite(mine).all()  # padding queries too (they attend to themselves)
+        err = ((mine.double() - truth).abs() * real).max().item()
+        assert err <= as_accurate_bound(err_plain, truth.abs().max().item()), (err, err_plain)
+
+
+def test_gpt2_forward_only_where_it_computes_the_same(tiny):
+    """The written-out forward runs only for a GPT-2 with no dropout active and no
+    activation checkpointing active; anything else gets transformers' own forward."""
+    model, _ = tiny
+    model.eval()
+    assert writes_out(model)
+    model.train()
+    assert writes_out(model)  # the shipped model has no dropout
+    dropping = copy.deepcopy(model)
+    dropping.transformer.h[0].attn.resid_dropout.p = 0.1
+    assert not writes_out(dropping)
+    assert writes_out(dropping.eval())  # eval mode: dropout does nothing
+    checkpointed = copy.deepcopy(model)
+    checkpointed.activation_checkpointing_enable({"use_reentrant": False})
+    assert not writes_out(checkpointed.train())
+    wrapped = torch.nn.Sequential(model)  # not a GPT2LMHeadModel
+    assert not writes_out(wrapped)
+    calls = []
+    hook = dropping.register_forward_pre_hook(lambda *a: calls.append(1))
+    ids = torch.tensor([[3, 4, 5]])
+    logits, cache = cached_forward(dropping.train())(ids, torch.ones_like(ids), torch.arange(3)[None])
+    hook.remove()
+    assert calls == [1] and logits.shape == (1, 3, model.config.vocab_size) and cache is not None
 
 
 def test_fused_gelu_is_the_same_function(tiny):
