@@ -1,6 +1,7 @@
 """Exercise checkers: the reference passes, field bugs fail with a reason a learner can act
 on, an unwritten exercise reports 'not implemented yet' and hands back the reference."""
 
+import copy
 import math
 import statistics
 
@@ -502,7 +503,90 @@ def _expected_gradient_arguments_swapped(estimator, logits, ref_logits):
     return torch.autograd.grad((logp.exp().detach() * estimator(logq, logp)).sum(), theta)[0]
 
 
+def _k3_without_the_minus_one(logp, old_logp, ref_logp, advantages, weights, cfg):
+    loss, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+    return loss + cfg.beta * weights.sum(), stats  # exp(x) - x per token, not exp(x) - x - 1
+
+
+def _max_for_min(logp, old_logp, ref_logp, advantages, weights, cfg):
+    _, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+    ratio, adv = (logp - old_logp).exp(), advantages.detach()[:, None]
+    clipped = ratio.clamp(1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv
+    per_token = -torch.max(ratio * adv, clipped) + cfg.beta * objective.kl_k3(logp, ref_logp)
+    return (per_token * weights).sum(), stats
+
+
+def _clamp_ignored(logp, old_logp, ref_logp, advantages, weights, cfg):
+    unclamped = copy.copy(cfg)
+    unclamped.log_ratio_clamp = None
+    return steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, unclamped)
+
+
+def _kl_gradients_p_detached(logits, ref_logits):
+    lp, lq = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    (reverse,) = torch.autograd.grad((lp.exp().detach() * (lp - lq)).sum(), logits,
+                                     retain_graph=True)
+    (forward,) = torch.autograd.grad((lq.exp() * (lq - lp)).sum(), logits)
+    return reverse, forward
+
+
+def _neg_inf_made_finite(logits):
+    out = torch.nan_to_num(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max)
+    if (~torch.isfinite(out)).all(-1).any():
+        raise ValueError("a row with nothing finite")
+    return out
+
+
+def _safe_sample_at_one(model, tokenizer, prompts, group_size, max_new_tokens,
+                        temperature=1.0, top_k=0, top_p=1.0):
+    return steps.safe_sample(model, tokenizer, prompts, group_size, max_new_tokens)
+
+
+def _beta_by_difference(beta, kl, target_kl, horizon, n_steps=1):
+    return beta * (1 + min(max(kl - target_kl, -0.2), 0.2) * n_steps / horizon)
+
+
+def _beta_horizon_inverted(beta, kl, target_kl, horizon, n_steps=1):
+    return beta * (1 + min(max(kl / target_kl - 1, -0.2), 0.2) * horizon / n_steps)
+
+
+def _accumulated_with(metric):
+    """hardening.accumulated_grpo_step whose metrics[key] is `metric` of its parts' (loss,
+    kl) pairs."""
+    from grpo_lab.course import hardening
+
+    key, combine = metric
+
+    def step(run, problems, loss_fn, update_fn, *args, **kwargs):
+        parts = []
+
+        def recording(*loss_args):
+            loss, stats = loss_fn(*loss_args)
+            parts.append({"loss": loss.item(), "kl": stats["kl"]})
+            return loss, stats
+
+        metrics = hardening.accumulated_grpo_step(run, problems, recording, update_fn, *args,
+                                                  **kwargs)
+        return {**metrics, key: combine([p[key] for p in parts])}
+    return step
+
+
 @pytest.mark.parametrize("check, wrong, words", [
+    (nb04.check_grpo_loss, _k3_without_the_minus_one, "its gradient is right everywhere"),
+    (nb04.check_grpo_loss, _max_for_min, "ratio lies outside the clip range [0.8, 1.2]"),
+    (nb04.check_grpo_loss, _clamp_ignored, "|log-ratio| is above log_ratio_clamp = 2"),
+    (nb09.check_kl_gradients, _kl_gradients_p_detached, "yours is about 0 everywhere"),
+    (nb10.check_sanitize_logits, _neg_inf_made_finite,
+     "where the expected value is -inf (1 of them, the first at [0, 1]), yours is -3.40282e+38"),
+    (nb09.check_adaptive_beta, _beta_by_difference, "the error is a proportion"),
+    (nb09.check_adaptive_beta, _beta_horizon_inverted, "yours multiplies by horizon / n_steps"),
+    (nb10.check_safe_sample, _safe_sample_at_one, "your draws are sample_group's at "
+     "temperature 1.0"),
+    (nb08.check_accumulated_grpo_step, _accumulated_with(("loss", lambda xs: xs[-1])),
+     "the last micro-batch's part only"),
+    (nb08.check_accumulated_grpo_step,
+     _accumulated_with(("kl", lambda xs: sum(xs) / len(xs))),
+     "the plain mean of the micro-batches' values"),
     (nb05.check_first_nonfinite_step, _first_bad_row_index,
      "the row's position in the list, not its 'step'"),
     (nb05.check_first_nonfinite_step, _last_bad_step,

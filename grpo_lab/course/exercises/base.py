@@ -344,6 +344,11 @@ def difference(got, want, atol=1e-5, rtol=1e-4) -> str:
            f"{g[idx].item():.6g}, expected {w[idx].item():.6g} "
            f"(off by {abs(g[idx] - w[idx]).item():.2g}; tolerance {atol:g} + {rtol:g} x |expected|)")
     cause = cause_of(g, w, atol, rtol) or where_it_differs(g, w, bad, atol, rtol)
+    narrow = got.dtype in (torch.float16, torch.bfloat16)
+    if narrow and bool((torch.isinf(g) & torch.isfinite(w)).any()):
+        cause += (f" ({got.dtype}'s largest finite number is {torch.finfo(got.dtype).max:g}: "
+                  "a larger one, such as float32's largest, becomes inf in this dtype; take "
+                  "the limits from the tensor's own dtype, torch.finfo(x.dtype))")
     return msg + (f": {cause}" if cause else "")
 
 
@@ -449,6 +454,13 @@ def cause_of(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
     if blown.any():
         return (f"{int(blown.sum())} of yours are inf or NaN where the expected values are "
                 "finite: an overflow (exp of a large number) or a log of 0 on the way?")
+    lost = torch.isinf(w) & (g != w)  # an infinity the reference keeps (or makes)
+    if lost.any():
+        idx = tuple(int(i) for i in lost.nonzero()[0])
+        at = f"[{', '.join(map(str, idx))}]"
+        return (f"where the expected value is {w[idx].item():g} ({int(lost.sum())} of them, "
+                f"the first at {at}), yours is {g[idx].item():.6g}: that infinity must stay "
+                "(or be made) as the reference has it, not replaced by a number")
     finite = torch.isfinite(g) & torch.isfinite(w)
     if not finite.any():
         return ""
@@ -462,6 +474,10 @@ def cause_of(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> str:
         ratio = g[nz] / w[nz]
         k = ratio.median()
         if torch.allclose(g, w * k, rtol=rtol, atol=atol) and abs(k.item() - 1) > 1e-3:
+            if abs(k.item()) < 1e-3:
+                return (f"yours is about 0 everywhere ({k.item():.2g} x the expected value): "
+                        "the part that carries it is missing (a detach() or no_grad where "
+                        "it must flow, a factor of 0?)")
             return f"yours is {k.item():.4g} x the expected value everywhere (a wrong " \
                 "normaliser or a missing factor?)"
     d = (g - w).median()

@@ -258,6 +258,7 @@ def drive_loss(fn, seed: int = 0, drift: float = 0.0, old_drift: float = 0.0,
         return {"loss": loss, "grad": None}
     grad, adv_grad = torch.autograd.grad(loss, [args[0], advantages], allow_unused=True)
     stats = out[1] if isinstance(out[1], dict) else {}
+    ratio = (args[0] - args[1]).detach().exp()
     return {"loss": loss.detach(), "grad": torch.zeros_like(args[0]) if grad is None else grad,
             "advantages_get_gradient": adv_grad is not None and bool(adv_grad.abs().sum() > 0),
             "tensor_stats": sorted(k for k, v in stats.items() if isinstance(k, str)
@@ -265,7 +266,13 @@ def drive_loss(fn, seed: int = 0, drift: float = 0.0, old_drift: float = 0.0,
             "stats": {k: float(v) for k, v in stats.items() if isinstance(k, str)
                       and isinstance(v, (int, float, torch.Tensor))
                       and (not isinstance(v, torch.Tensor) or v.numel() == 1)},
-            "mask": mask}
+            "mask": mask,
+            # tokens whose ratio to pi_old lies outside the clip range, whatever the advantage
+            "outside_clip": (ratio < 1 - cfg.epsilon_low) | (ratio > 1 + cfg.epsilon_high),
+            "clip_range": (1 - cfg.epsilon_low, 1 + cfg.epsilon_high),
+            "log_ratio_clamp": cfg.log_ratio_clamp,
+            "outside_clamp": None if cfg.log_ratio_clamp is None
+            else ratio.log().abs() > cfg.log_ratio_clamp}
 
 
 def drive(fn, driver: Callable, **params) -> dict:
@@ -300,7 +307,9 @@ def no_advantage_gradient(out: dict) -> None:
 
 def where_the_loss_differs(out: dict, want: dict) -> str:
     """In the learner's terms: does the loss's value differ, and at which (row, token) does
-    its gradient differ first, and is that a padding position."""
+    its gradient differ first, and is that a padding position; a loss right in its gradient
+    and wrong in its value; a gradient wrong only where the clip acts. What the positions
+    are (mask, clip range) is read from the reference's run, never from the learner's."""
     parts = []
     if not torch.allclose(out["loss"].double(), want["loss"].double(), **STEP_TOL):
         parts.append(f"the loss is {float(out['loss']):.6g}, expected {float(want['loss']):.6g}")
@@ -312,18 +321,34 @@ def where_the_loss_differs(out: dict, want: dict) -> str:
         return (f"{parts[0]}: the loss and its gradient have the opposite sign everywhere; a "
                 "loss is minimised, so it is minus the objective")
     bad = ~torch.isclose(g, w, equal_nan=True, **STEP_TOL)
+    if parts and not bad.any():
+        parts.append("its gradient is right everywhere: the loss is off by a term that does "
+                     "not change with logp (a constant, such as k3's -1 or a clipped branch's "
+                     "(1 +/- epsilon) x advantage, or a term of detached values)")
     if bad.any():
         row, tok = (int(i) for i in bad.nonzero()[0])
-        mask = out["mask"]
+        mask = want["mask"]
         padding = bad & (mask == 0)
         where = "padding (mask 0)" if mask[row, tok] == 0 else "a completion token"
         parts.append(
             f"its gradient differs at {int(bad.sum())} of {bad.numel()} (row, token) "
             f"positions, first at row {row}, token {tok}, {where}: yours "
             f"{g[row, tok].item():.4g}, expected {w[row, tok].item():.4g}")
+        outside, clamped = want.get("outside_clip"), want.get("outside_clamp")
         if bool(padding.any()):
             parts.append(f"{int(padding.sum())} of them are padding, where the gradient "
                          "must be 0 (aggregation over padding?)")
+        elif clamped is not None and bool((bad <= clamped).all()):
+            parts.append(f"every position that differs is a token whose |log-ratio| is above "
+                         f"log_ratio_clamp = {want['log_ratio_clamp']:g}, and the others are "
+                         "right: the clamp (applied, to the log-ratio, with both bounds?)")
+        elif outside is not None and bool((bad <= outside).all()) and bool(
+                (outside & (mask == 1) & ~bad).any() or (mask == 1).sum() > outside.sum()):
+            low, high = want["clip_range"]
+            parts.append(f"every position that differs is a token whose ratio lies outside "
+                         f"the clip range [{low:g}, {high:g}], and inside it yours is right: "
+                         "the clipped branch (min against max, the clamp's bounds, which "
+                         "tokens count as clipped?)")
         elif bool((bad.sum(-1) == (mask == 1).sum(-1))[bad.any(-1)].all()):
             parts.append("whole rows differ: the weighting of a row (its length, the "
                          "loss_type) or its advantage?")
@@ -391,5 +416,14 @@ def check_stat(got: dict, want: dict, key: str, params: dict,
         if math.isclose(got[key], float(other[key]), rel_tol=1e-4, abs_tol=1e-6):
             raise Mismatch(f"stats[{key!r}] is {got[key]:.6g}, expected {want[key]:.6g}: "
                            f"{mistake.message}")
-    raise Mismatch(f"stats[{key!r}] is {got[key]:.6g}, expected {want[key]:.6g} (a mean over "
-                   "the completion tokens of the batch)")
+    if key.endswith("max_abs"):
+        meant = "the largest |value| over the completion tokens, before any clamp"
+    else:
+        meant = ("a fraction of the batch's completion tokens" if key.startswith("clip_ratio")
+                 else "a mean over the completion tokens of the batch")
+        mask = loss_case(**params)[2]
+        padded = mask.numel() / mask.sum().item()  # mean over every position instead
+        if want[key] and math.isclose(got[key] * padded, want[key], rel_tol=1e-4):
+            meant += (f"; yours is {1 / padded:.3g} x that, a mean over every (row, token) "
+                      "position, padding included: divide by the completion tokens only")
+    raise Mismatch(f"stats[{key!r}] is {got[key]:.6g}, expected {want[key]:.6g} ({meant})")

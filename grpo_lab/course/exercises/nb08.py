@@ -89,17 +89,46 @@ def drive_accumulated(fn, seed: int = 0, **overrides) -> dict:
         if torch.is_grad_enabled():
             rows.append(int(output.shape[0]))
 
+    parts: list[dict] = []  # each micro-batch's loss, kl and completion tokens
+
+    def loss_fn(logp, old_logp, ref_logp, advantages, weights, cfg):
+        loss, stats = steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+        parts.append({"loss": loss.item(), "kl": stats["kl"],
+                      "tokens": int((weights > 0).sum())})
+        return loss, stats
+
     hook = run.policy.get_output_embeddings().register_forward_hook(count)
     before = flat_params(run.policy)
     problems = ProblemStream(seed).sample(run.cfg.prompts_per_step)
     torch.manual_seed(seed)  # the sampler's draws
     counted = run.step_count
     try:
-        metrics = fn(run, problems, loss_fn=steps.grpo_loss, update_fn=steps.apply_update)
+        metrics = fn(run, problems, loss_fn=loss_fn, update_fn=steps.apply_update)
     finally:
         hook.remove()
     return {"update": flat_params(run.policy) - before, "metrics": metrics, "rows": rows,
-            "step_count": (counted, run.step_count)}
+            "step_count": (counted, run.step_count), "parts": parts}
+
+
+def metric_of_the_parts(key: str, value: float, parts: list[dict]) -> str:
+    """Words for an accumulated step's metric that is a wrong combination of its
+    micro-batches' parts (`parts`: the reference step's, as drive_accumulated records them);
+    "" where it is none of them."""
+    if not parts:
+        return ""
+    wrong = {
+        "the last micro-batch's part only: add up every micro-batch's part":
+            parts[-1][key],
+        "the plain mean of the micro-batches' values: weight each by its completion tokens "
+        "(a micro-batch with more tokens counts for more)":
+            sum(p[key] for p in parts) / len(parts),
+    }
+    right = {"loss": sum(p["loss"] for p in parts),
+             "kl": sum(p["kl"] * p["tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts))}
+    for words, candidate in wrong.items():
+        if not close(candidate, right[key]) and close(value, candidate):
+            return words
+    return ""
 
 
 def _accumulated(run, problems, loss_fn, update_fn=steps.apply_update, sample_fn=sample_group,
@@ -223,6 +252,13 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
                                    "micro-batch's part already carries the whole batch's token "
                                    "weights, so the parts add up to the loss: sum them, do not "
                                    "average them")
+                if key in ("loss", "kl") and not close(value, expected):
+                    ref_parts = drive_accumulated(hardening.accumulated_grpo_step, seed,
+                                                  **overrides)["parts"]
+                    words = metric_of_the_parts(key, value, ref_parts)
+                    if words:
+                        raise Mismatch(f"metrics[{key!r}] is {value:.6g}, expected "
+                                       f"{expected:.6g}: {words}")
                 expect(value, expected, f"metrics[{key!r}]{what}", atol=1e-5, rtol=1e-4)
         return run
 

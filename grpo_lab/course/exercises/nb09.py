@@ -3,6 +3,7 @@ data in `EXERCISES`."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -132,6 +133,13 @@ def _delta_reversed(logp, old_logp, ref_logp, advantages, weights, cfg):
     return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
 
 
+def _report003_kl_unscaled(logp, old_logp, ref_logp, advantages, weights, cfg):
+    c = copy.copy(cfg)
+    c.beta = 1.0
+    return with_kl(logp, old_logp, ref_logp, advantages, weights, c,
+                   naive.report003_kl(logp, ref_logp))
+
+
 REPORT003_LOSS_MISTAKES = (
     Mistake("k3_kept", _k3_kept,
             "this is k3, the formula report 003 removed: write the report's replacement, "
@@ -141,6 +149,23 @@ REPORT003_LOSS_MISTAKES = (
             "drops every token where the policy gives more probability than the reference"),
     Mistake("delta_reversed", _delta_reversed,
             "delta is reversed: the report's delta is `ref - cur`, ref_logp - logp"),
+    Mistake("kl_unscaled", _report003_kl_unscaled,
+            "the KL term is not scaled by the config's beta: each token's term is "
+            "surrogate + `cfg.beta * kl`, not surrogate + kl"),
+)
+
+
+def _report003_stats_over_padding(logp, old_logp, ref_logp, advantages, weights, cfg):
+    loss, _ = steps.report003_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+    return loss, {"kl": naive.report003_kl(logp, ref_logp).detach().mean().item(),
+                  "kl_k3": objective.kl_k3(logp, ref_logp).detach().mean().item()}
+
+
+REPORT003_STATS_MISTAKES = (
+    Mistake("stats_over_padding", _report003_stats_over_padding,
+            "this stat is averaged over padding too: 'kl' and 'kl_k3' are means over the "
+            "completion tokens only, `masked_mean(x, weights > 0)`; a padding position is no "
+            "token of any completion"),
 )
 
 
@@ -148,7 +173,7 @@ def check_report003_loss(fn: Callable) -> CheckResult:
     return check_loss("report003_loss", fn, steps.report003_loss, [
         ("beta 0.3", dict(seed=0, beta=0.3)),
         ("beta 1.0, loss_type dapo", dict(seed=1, beta=1.0, loss_type="dapo")),
-    ], REPORT003_LOSS_MISTAKES, stats=("kl", "kl_k3"))
+    ], REPORT003_LOSS_MISTAKES, stats=("kl", "kl_k3"), stats_mistakes=REPORT003_STATS_MISTAKES)
 
 
 def reference_estimator_expected_gradient(estimator: Callable, logits: torch.Tensor,
@@ -333,6 +358,17 @@ def check_adaptive_beta(fn: Callable) -> CheckResult:
                                 rel_tol=1e-6):
                     raise Mismatch(f"{what}: the update is multiplicative: beta * (1 + error * "
                                    "n_steps / horizon), not beta + ...")
+                clip = min(max(raw, -0.2), 0.2)
+                difference = min(max(kl - target, -0.2), 0.2)
+                if difference != clip and math.isclose(got, beta * (1 + difference * n / horizon),
+                                                       rel_tol=1e-6):
+                    raise Mismatch(f"{what}: the error is a proportion, kl / target_kl - 1 = "
+                                   f"{raw:.3g}, not the difference kl - target_kl = "
+                                   f"{kl - target:.3g}: how far the KL is from its target, relative to the target")
+                if math.isclose(got, beta * (1 + clip * horizon / n), rel_tol=1e-6):
+                    raise Mismatch(f"{what}: the step is error * n_steps / horizon (horizon: "
+                                   "the steps over which beta may change by the error); yours "
+                                   "multiplies by horizon / n_steps")
             if not isinstance(got, float):
                 raise Mismatch(f"{what}: return the new beta as a number (you returned "
                                f"{kind_of(got)[:60]})")

@@ -13,6 +13,7 @@ from ...sampling import (
 )
 from .. import steps
 from .base import CheckResult, Exercise, Mismatch, expect, gen, run_check
+from .base import same as same_values
 from .fixtures import drive, drive_sample, tiny_model
 
 
@@ -145,6 +146,13 @@ def check_safe_sample(fn: Callable) -> CheckResult:
                 raise Mismatch(f"a healthy model: your sampler raised {out['error']}")
             if out["ids"] is None:
                 raise Mismatch("return sample_group's Rollout (it has .completion_ids)")
+            if same_values(out["ids"], want["ids"]):
+                return
+            at_one = drive_sample(lambda *a: ref(*a[:5], 1.0, *a[6:]), seed)["ids"]
+            if not same_values(want["ids"], at_one) and same_values(out["ids"], at_one):
+                raise Mismatch("your draws are sample_group's at temperature 1.0, and this "
+                               "case samples at 0.8: pass temperature (and top_k, top_p) on "
+                               "to sample_group")
             expect(out["ids"], want["ids"], "the sampled completion ids (same seed: the "
                     "same draws as sample_group)")
         return run

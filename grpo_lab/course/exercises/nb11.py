@@ -75,7 +75,22 @@ def _matched_by_position(yours: list[dict], theirs: list[dict], keys) -> dict[st
                                    [dict(m, step=i) for i, m in enumerate(theirs)], keys)
 
 
+def _signed_difference(yours: list[dict], theirs: list[dict], keys) -> dict[str, float]:
+    """compare_histories with yours - theirs in place of |yours - theirs|."""
+    by_step = {m["step"]: m for m in theirs}
+    gaps = {}
+    for k in keys:
+        pairs = [(m[k], by_step[m["step"]][k]) for m in yours
+                 if k in m and k in by_step.get(m["step"], {})]
+        gaps[k] = max((0.0 if a != a and b != b else math.inf if (a != a) != (b != b)
+                       else a - b for a, b in pairs), default=0.0)
+    return gaps
+
+
 COMPARE_HISTORIES_MISTAKES = (
+    Mistake("signed_difference", _signed_difference,
+            "yours is the largest yours - theirs, signed: a step where your run is below "
+            "the other counts as no gap; the largest |yours - theirs| is asked (abs)"),
     Mistake("matched_by_position", _matched_by_position,
             "the rows are paired by their position in the lists, not by their 'step': a run "
             "that logged fewer rows (a crash, eval rows, steps 1 and 3 only) then compares "
