@@ -311,14 +311,18 @@ def compare_histories(yours: list[dict], theirs: list[dict], keys) -> dict[str, 
     """Two runs' metrics, row by row -> for each key the largest |yours - theirs| over the
     steps both runs logged it at (matched by "step"); inf where one value is NaN and the
     other is not, 0 where both are NaN (notebook 11)."""
-    by_step = {m["step"]: m for m in theirs}
     gaps = {}
     for k in keys:
-        pairs = [(m[k], by_step[m["step"]][k]) for m in yours
-                 if k in m and k in by_step.get(m["step"], {})]
         gaps[k] = max((0.0 if a != a and b != b else math.inf if (a != a) != (b != b)
-                       else abs(a - b) for a, b in pairs), default=0.0)
+                       else abs(a - b) for a, b in matched_pairs(yours, theirs, k)), default=0.0)
     return gaps
+
+
+def matched_pairs(yours: list[dict], theirs: list[dict], key: str) -> list[tuple]:
+    """(your value, their value) of `key` at each step both runs logged it at."""
+    by_step = {m["step"]: m for m in theirs}
+    return [(m[key], by_step[m["step"]][key]) for m in yours
+            if key in m and key in by_step.get(m["step"], {})]
 
 
 # --- the harness -----------------------------------------------------------------------------

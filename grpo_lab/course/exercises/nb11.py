@@ -77,14 +77,9 @@ def _matched_by_position(yours: list[dict], theirs: list[dict], keys) -> dict[st
 
 def _signed_difference(yours: list[dict], theirs: list[dict], keys) -> dict[str, float]:
     """compare_histories with yours - theirs in place of |yours - theirs|."""
-    by_step = {m["step"]: m for m in theirs}
-    gaps = {}
-    for k in keys:
-        pairs = [(m[k], by_step[m["step"]][k]) for m in yours
-                 if k in m and k in by_step.get(m["step"], {})]
-        gaps[k] = max((0.0 if a != a and b != b else math.inf if (a != a) != (b != b)
-                       else a - b for a, b in pairs), default=0.0)
-    return gaps
+    return {k: max((0.0 if a != a and b != b else math.inf if (a != a) != (b != b) else a - b
+                    for a, b in steps.matched_pairs(yours, theirs, k)), default=0.0)
+            for k in keys}
 
 
 COMPARE_HISTORIES_MISTAKES = (
