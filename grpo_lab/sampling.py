@@ -58,17 +58,22 @@ class SanitizeLogits(LogitsProcessor):
 MULTINOMIAL_ERROR = "probability tensor contains either `inf`, `nan` or element < 0"
 
 
-def refuse_unsampleable(probs: torch.Tensor) -> None:
-    """Raise the error torch.multinomial raises on the CPU for these probabilities, before
-    they reach it. On CUDA torch.multinomial does not raise: a NaN, inf or negative entry is
-    a device-side assert, and every later CUDA call in the process fails with it (report
-    000), so a crashed run could not be diagnosed, and a notebook's kernel would be lost.
-    decode_loop calls this on CUDA only (one host sync per token): a crash then ends a run
-    the same way on both devices. The real device-side assert is shown in a fresh process
+def sampleable_rows(probs: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) bool: the rows torch.multinomial can draw from (every
+    entry finite and >= 0)."""
+    return (torch.isfinite(probs) & (probs >= 0)).all(-1)
+
+
+def unsampleable(device: torch.device) -> RuntimeError:
+    """The error torch.multinomial raises on the CPU for probabilities it cannot draw from.
+    On CUDA torch.multinomial does not raise: a NaN, inf or negative entry is a device-side
+    assert, and every later CUDA call in the process fails with it (report 000), so a
+    crashed run could not be diagnosed, and a notebook's kernel would be lost. decode_loop
+    finds such rows before the draw on CUDA and raises this: a crash then ends a run the
+    same way on both devices. The real device-side assert is shown in a fresh process
     (`python -m grpo_lab scenario nan-params-sampling-crash --device cuda`)."""
-    if not bool((torch.isfinite(probs) & (probs >= 0)).all()):
-        raise RuntimeError(f"{MULTINOMIAL_ERROR} (found before torch.multinomial, which on "
-                           f"{probs.device.type} would end in a device-side assert)")
+    return RuntimeError(f"{MULTINOMIAL_ERROR} (found before torch.multinomial, which on "
+                        f"{device.type} would end in a device-side assert)")
 
 
 @dataclass
@@ -150,7 +155,8 @@ def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperatu
 
 
 def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens,
-                temperature, top_k, top_p, safe, logit_clamp=None, sanitize=None):
+                temperature, top_k, top_p, safe, logit_clamp=None, sanitize=None,
+                check_on_device=None):
     """generate()'s sampling loop written out, with one saving: each prompt runs through the
     model once and its G rows share its KV cache. Then one token per step for every row,
     padding after a row's EOS, until all rows are done. Each step's logits are scaled as
@@ -160,6 +166,11 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     with the same processors (tests/test_tasks_sampling.py). (The prompt forward runs B/G
     rows instead of B; where a kernel's rounding depends on the batch size, as it can on
     CUDA, a draw at the edge of a token's probability interval may go the other way.)
+
+    On CUDA (or with `check_on_device`) a row torch.multinomial cannot draw from is found
+    on the device and drawn from a stand-in, and the loop raises `unsampleable` at its one
+    host sync per token (the check whether every row is done): the same error as the CPU's
+    multinomial, without the device-side assert, and without a second sync per token.
 
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
     (B, C, V) raw float32 logits each token was drawn from (before any processor)."""
@@ -182,6 +193,8 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     logits = logits[:, -1].float().repeat_interleave(group_size, 0)  # (B, V)
     mask, position = prompt_mask, positions[:, -1:].repeat_interleave(group_size, 0)
     done = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)  # (B,) row hit EOS
+    on_device = prompt_ids.is_cuda if check_on_device is None else check_on_device
+    bad = torch.zeros((), dtype=torch.bool, device=mask.device)  # a row was unsampleable
     sequence, raw = prompt_ids, []
     for t in range(max_new_tokens):
         raw.append(logits)
@@ -189,13 +202,21 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
         for process in processors:
             scores = process(sequence, scores)
         probs = torch.softmax(scores, -1)
-        if probs.is_cuda:
-            refuse_unsampleable(probs)
+        if on_device:  # no host sync here: the flag is read with `done` below
+            ok = sampleable_rows(probs)
+            bad = bad | ~ok.all()
+            probs = torch.where(ok[:, None], probs, 1.0)  # a stand-in; the loop raises below
         token = torch.multinomial(probs, 1).squeeze(1)  # (B,)
         token = torch.where(done, tokenizer.pad_token_id, token)
         sequence = torch.cat([sequence, token[:, None]], 1)  # (B, P + t + 1)
         done = done | (token == tokenizer.eos_token_id)
-        if t == max_new_tokens - 1 or bool(done.all()):
+        if on_device:
+            all_done, found = torch.stack([done.all(), bad]).tolist()  # the one host sync
+            if found:
+                raise unsampleable(probs.device)
+        else:
+            all_done = bool(done.all())
+        if t == max_new_tokens - 1 or all_done:
             break
         mask, position = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), position + 1
         logits, cache = forward(token[:, None], mask, position, cache)

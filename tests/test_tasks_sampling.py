@@ -10,10 +10,11 @@ from grpo_lab.sampling import (
     MULTINOMIAL_ERROR,
     SamplingError,
     completion_mask_from_ids,
+    decode_loop,
     encode_prompts,
     greedy_completions,
-    refuse_unsampleable,
     sample_group,
+    sampleable_rows,
     transformers_messages,
 )
 from grpo_lab.tasks import (
@@ -84,17 +85,45 @@ def test_nan_policy_crashes_plain_sampling_like_report_000(tiny):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
-def test_refuse_unsampleable_raises_what_cpu_multinomial_raises(bad):
-    # on CUDA decode_loop checks first: multinomial there is a device-side assert that ends
-    # the process; the check must raise the error torch.multinomial raises on the CPU
+def test_unsampleable_rows_are_what_cpu_multinomial_refuses(bad):
+    # on CUDA decode_loop finds these rows itself: multinomial there is a device-side assert
+    # that ends the process; the rows it flags must be those the CPU's multinomial refuses
     probs = torch.tensor([[0.5, 0.5], [0.25, 0.75]])
-    refuse_unsampleable(probs)  # valid rows pass
+    assert sampleable_rows(probs).tolist() == [True, True]
     probs[1, 0] = bad
+    assert sampleable_rows(probs).tolist() == [True, False]
     with pytest.raises(RuntimeError) as cpu:
         torch.multinomial(probs, 1)
-    with pytest.raises(RuntimeError) as checked:
-        refuse_unsampleable(probs)
-    assert MULTINOMIAL_ERROR in str(cpu.value) and MULTINOMIAL_ERROR in str(checked.value)
+    assert MULTINOMIAL_ERROR in str(cpu.value)
+
+
+def test_checked_on_the_device_a_nan_policy_raises_without_reaching_multinomial(tiny, monkeypatch):
+    """decode_loop's CUDA path, run on the CPU: the NaN rows never reach torch.multinomial
+    (on CUDA a device-side assert), the loop raises the CPU's error at its one host sync per
+    token, and a healthy model draws exactly what the plain path draws."""
+    model, tok = tiny
+    drawn_from = []
+    multinomial = torch.multinomial
+
+    def recording(probs, n):
+        drawn_from.append(bool(sampleable_rows(probs).all()))
+        return multinomial(probs, n)
+
+    monkeypatch.setattr(torch, "multinomial", recording)
+    ids, mask = (t.repeat_interleave(4, 0) for t in encode_prompts(tok, ["1+2=", "12+34="],
+                                                                   torch.device("cpu")))
+    runs = []
+    for on_device in (False, True):
+        torch.manual_seed(0)
+        runs.append(decode_loop(model, tok, ids, mask, 4, 5, 1.0, 0, 1.0, False,
+                                check_on_device=on_device)[0])
+    assert torch.equal(*runs) and all(drawn_from)
+    _poison(model)
+    drawn_from.clear()
+    with pytest.raises(RuntimeError, match="found before torch.multinomial") as checked:
+        decode_loop(model, tok, ids, mask, 4, 5, 1.0, 0, 1.0, False, check_on_device=True)
+    assert MULTINOMIAL_ERROR in str(checked.value)
+    assert drawn_from and all(drawn_from)  # only stand-in rows were drawn from
 
 
 def test_safe_sampling_names_the_cause_instead(tiny):

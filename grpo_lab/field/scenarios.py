@@ -86,7 +86,7 @@ def nan_params_sampling_crash(fixed: bool) -> Outcome:
     if fixed:  # health check after the update: roll back before sampling again
         snapshot.restore(model, opt)
     # the report's sampler, generate(): torch.multinomial as it is, so that on CUDA this is
-    # the real device-side assert (the course's sampler checks first, sampling.refuse_unsampleable)
+    # the real device-side assert (the course's sampler checks first, sampling.sampleable_rows)
     ids, mask = encode_prompts(tok, ["12+34="] * 4, model.device)
     err = _error_text(lambda: model.generate(input_ids=ids, attention_mask=mask,
                                              generation_config=generation_config(tok, 5, True)))
