@@ -119,21 +119,25 @@ def writes_out(model: torch.nn.Module) -> bool:
     if (cfg.add_cross_attention or cfg.scale_attn_by_inverse_layer_idx
             or cfg.reorder_and_upcast_attn):
         return False
-    if model.training and (model.is_activation_checkpointing
-                           or any(m.p > 0 for m in _dropouts(model))):
-        return False
-    return True
+    if not model.training:
+        return True
+    dropouts, checkpointed = _switches(model)
+    return not (any(m.p > 0 for m in dropouts) or any(m.gradient_checkpointing
+                                                      for m in checkpointed))
 
 
-_DROPOUTS = weakref.WeakKeyDictionary()
+_SWITCHES = weakref.WeakKeyDictionary()
 
 
-def _dropouts(model: torch.nn.Module) -> list[torch.nn.Dropout]:
-    """The model's dropout modules, found once per model (a walk over every module costs
-    more than a decode step's bookkeeping); their rates are read at each call."""
-    if model not in _DROPOUTS:
-        _DROPOUTS[model] = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
-    return _DROPOUTS[model]
+def _switches(model: torch.nn.Module) -> tuple[list, list]:
+    """The model's dropout modules and the modules that can checkpoint activations, found
+    once per model (a walk over every module, as `is_activation_checkpointing` makes, costs
+    more than a decode step's bookkeeping); their settings are read at each call."""
+    if model not in _SWITCHES:
+        modules = list(model.modules())
+        _SWITCHES[model] = ([m for m in modules if isinstance(m, torch.nn.Dropout)],
+                            [m for m in modules if hasattr(m, "gradient_checkpointing")])
+    return _SWITCHES[model]
 
 
 def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):

@@ -109,9 +109,13 @@ def test_gpt2_forward_only_where_it_computes_the_same(tiny):
     dropping.transformer.h[0].attn.resid_dropout.p = 0.1
     assert not writes_out(dropping)
     assert writes_out(dropping.eval())  # eval mode: dropout does nothing
-    checkpointed = copy.deepcopy(model)
+    checkpointed = copy.deepcopy(model).train()
+    assert writes_out(checkpointed)  # switched on after a first look at the model
     checkpointed.activation_checkpointing_enable({"use_reentrant": False})
     assert not writes_out(checkpointed.train())
+    dropping.eval().train()
+    dropping.transformer.h[1].mlp.dropout.p = 0.0
+    assert not writes_out(dropping)  # the first one is still on
     wrapped = torch.nn.Sequential(model)  # not a GPT2LMHeadModel
     assert not writes_out(wrapped)
     calls = []
