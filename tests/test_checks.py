@@ -550,6 +550,32 @@ def _beta_horizon_inverted(beta, kl, target_kl, horizon, n_steps=1):
     return beta * (1 + min(max(kl / target_kl - 1, -0.2), 0.2) * horizon / n_steps)
 
 
+def _slices_extra_rows_last(n_rows, k):
+    if not 1 <= k <= n_rows:
+        raise ValueError("a micro-batch would be empty")
+    size = n_rows // k
+    return [slice(i * size, (i + 1) * size if i < k - 1 else n_rows) for i in range(k)]
+
+
+def _safe_sample_prompt_ids_only(model, tokenizer, prompts, group_size, max_new_tokens,
+                                 temperature=1.0, top_k=0, top_p=1.0):
+    from grpo_lab.sampling import encode_prompts, sample_group
+
+    ids, _ = encode_prompts(tokenizer, prompts, torch.device("cpu"))
+    rows = model.get_input_embeddings().num_embeddings
+    if int(ids.max()) >= rows:
+        raise ValueError(f"prompt token id {int(ids.max())} has no row ({rows} rows)")
+    return sample_group(model, tokenizer, prompts, group_size, max_new_tokens, temperature,
+                        top_k, top_p, sanitize=steps.sanitize_logits)
+
+
+def _sanitize_refusing_nan_rows_only(logits):
+    if torch.isnan(logits).all(-1).any():
+        raise ValueError("a row of NaN")
+    return torch.nan_to_num(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max,
+                            neginf=-math.inf)
+
+
 def _accumulated_with(metric):
     """hardening.accumulated_grpo_step whose metrics[key] is `metric` of its parts' (loss,
     kl) pairs."""
@@ -578,6 +604,12 @@ def _accumulated_with(metric):
     (nb09.check_kl_gradients, _kl_gradients_p_detached, "yours is about 0 everywhere"),
     (nb10.check_sanitize_logits, _neg_inf_made_finite,
      "where the expected value is -inf (1 of them, the first at [0, 1]), yours is -3.40282e+38"),
+    (nb08.check_micro_batch_slices, _slices_extra_rows_last,
+     "your sizes are [5, 5, 6], expected [6, 5, 5]: the 1 extra row(s) go to the first"),
+    (nb10.check_safe_sample, _safe_sample_prompt_ids_only,
+     "check tokenizer.pad_token_id itself"),
+    (nb10.check_sanitize_logits, _sanitize_refusing_nan_rows_only,
+     "refuse every row where no entry is finite, not only rows of NaN"),
     (nb09.check_adaptive_beta, _beta_by_difference, "the error is a proportion"),
     (nb09.check_adaptive_beta, _beta_horizon_inverted, "yours multiplies by horizon / n_steps"),
     (nb10.check_safe_sample, _safe_sample_at_one, "your draws are sample_group's at "

@@ -175,14 +175,18 @@ def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False,
 def drive_sample(fn, seed: int = 0, fault: str | None = None) -> dict:
     """Sample 4 completions for each of 3 prompts of different lengths at T = 0.8 with a
     fresh tiny GPT-2; fault 'nan-params' makes its embedding NaN, 'new-pad' adds a pad token
-    to the tokenizer that the model has no embedding row for (report 002)."""
+    to the tokenizer that the model has no embedding row for (report 002), and
+    'new-pad-unpadded' does so with prompts of one length whose answers differ in length:
+    the pad id is in no prompt, and reaches the model only after a row's end of text."""
     model, tokenizer = (copy.deepcopy(x) for x in tiny_model())
     prompts = ["1+2=", "12+34=", "99+99="]
     if fault == "nan-params":
         with torch.no_grad():
             model.get_input_embeddings().weight.fill_(float("nan"))
-    elif fault == "new-pad":
+    elif fault in ("new-pad", "new-pad-unpadded"):
         tokenizer.add_special_tokens({"pad_token": "<new-pad>"})
+        if fault == "new-pad-unpadded":
+            prompts = ["1+2=", "9+9=", "5+6="]
     torch.manual_seed(seed)
     try:
         rollout = fn(model, tokenizer, prompts, 4, 5, 0.8, 0, 1.0)

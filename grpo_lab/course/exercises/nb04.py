@@ -14,6 +14,7 @@ from ...objective import (
     clipped_surrogate,
     completion_logprobs,
     kl_k3,
+    masked_mean,
     position_ids_from_mask,
     token_logprobs,
     token_weights,
@@ -275,6 +276,37 @@ def _sign(logp, old_logp, ref_logp, advantages, weights, cfg):
     return -out, stats
 
 
+def _kl_outside_the_weights(over_tokens: bool):
+    """The reference's surrogate, with beta x the mean k3 added after the weighted sum: over
+    every (row, token) position, or over the completion tokens."""
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
+        per_token, _ = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
+                                         cfg.epsilon_high, cfg.log_ratio_clamp)
+        k3 = kl_k3(logp, ref_logp)
+        mean_k3 = masked_mean(k3, weights > 0) if over_tokens else k3.mean()
+        return (per_token * weights).sum() + cfg.beta * mean_k3, {}
+    return loss
+
+
+def kl_outside_the_weights(mean: str) -> str:
+    return (f"the KL term is added after the weighted sum, as beta x the mean of k3 {mean}; "
+            "it belongs inside it, token by token: `(weights * (surrogate + cfg.beta * "
+            "k3)).sum()`, so each token's KL is weighted as its surrogate is (and padding "
+            "carries none)")
+
+
+def _reinforce_plain_mean(logp, old_logp, ref_logp, advantages, weights, cfg):
+    return -(advantages.detach()[:, None] * logp).mean(), {}
+
+
+REINFORCE_LOSS_MISTAKES = (
+    Mistake("weights_ignored", _reinforce_plain_mean,
+            "a plain mean over every (row, token) position: the token weights say how much "
+            "each token counts (0 on padding, the loss_type's normaliser elsewhere); use them, "
+            "`-(advantages[:, None] * logp * weights).sum()`"),
+)
+
+
 GRPO_LOSS_MISTAKES = (
     Mistake("kl_sign", _with(beta=lambda cfg: -cfg.beta),
             "the KL term has the wrong sign: the loss *adds* beta x k3 (a penalty to "
@@ -284,6 +316,10 @@ GRPO_LOSS_MISTAKES = (
             "log-probs first (log_r = ref_logp - logp)"),
     Mistake("beta_ignored", _with(beta=0.0),
             "the KL term is missing: add `cfg.beta * kl_k3(logp, ref_logp)` per token"),
+    Mistake("kl_mean_outside_the_weights", _kl_outside_the_weights(over_tokens=False),
+            kl_outside_the_weights("over every (row, token) position")),
+    Mistake("kl_token_mean_outside_the_weights", _kl_outside_the_weights(over_tokens=True),
+            kl_outside_the_weights("over the completion tokens")),
     Mistake("kl_unscaled", _with(beta=1.0),
             "the KL term is not scaled by the config's beta: each token's term is "
             "surrogate + `cfg.beta * kl_k3(logp, ref_logp)`, not surrogate + k3"),
@@ -419,6 +455,13 @@ def _zero_grad_before_step(run):
     return norm.item(), 0
 
 
+def _none_clips_to_zero(run):
+    params = [p for p in run.policy.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.max_grad_norm or 0.0)
+    run.optimizer.step()
+    return norm.item(), 0
+
+
 APPLY_UPDATE_MISTAKES = (
     Mistake("no_clip", _update_no_clip,
             "the gradient is not clipped: `torch.nn.utils.clip_grad_norm_(params, "
@@ -428,6 +471,10 @@ APPLY_UPDATE_MISTAKES = (
             "returns (the one before clipping, what TRL logs)"),
     Mistake("zero_grad_before_step", _zero_grad_before_step,
             "the gradients are cleared before `optimizer.step()`: nothing moves"),
+    Mistake("none_clips_to_zero", _none_clips_to_zero,
+            "with max_grad_norm None your step clipped the gradient to norm 0 (`max_grad_norm "
+            "or 0.0`?), so nothing moved; None means no clipping: skip the clip, or clip to "
+            "math.inf, which still returns the norm"),
 )
 
 
@@ -456,7 +503,8 @@ def check_completion_logprobs(fn: Callable) -> CheckResult:
 
 def check_reinforce_loss(fn: Callable) -> CheckResult:
     return check_loss("reinforce_loss", fn, steps.reinforce_loss, [
-        ("completions of different lengths", dict(seed=0)), ("another batch", dict(seed=1))])
+        ("completions of different lengths", dict(seed=0)), ("another batch", dict(seed=1))],
+        REINFORCE_LOSS_MISTAKES)
 
 
 def check_grpo_loss(fn: Callable) -> CheckResult:
@@ -557,7 +605,7 @@ EXERCISES = (
     Exercise('completion_logprobs', completion_logprobs, check_completion_logprobs,
              driver=drive_logprobs, mistakes=COMPLETION_LOGPROBS_MISTAKES),
     Exercise('reinforce_loss', steps.reinforce_loss, check_reinforce_loss,
-             driver=drive_loss),
+             driver=drive_loss, mistakes=REINFORCE_LOSS_MISTAKES),
     Exercise('apply_update', steps.apply_update, check_apply_update,
              driver=drive_update, mistakes=APPLY_UPDATE_MISTAKES),
     Exercise('grpo_step', steps.grpo_step, check_grpo_step,

@@ -54,6 +54,11 @@ def check_micro_batch_slices(fn: Callable) -> CheckResult:
                 if rows != list(range(n)):
                     raise Mismatch(f"{n} rows, k={k}: your slices cover rows {rows}, expected "
                                    f"0..{n - 1} once each, in order")
+                want = [len(range(n)[s]) for s in micro_batch_slices(n, k)]
+                if sorted(sizes) == sorted(want) and sizes != want:
+                    raise Mismatch(f"{n} rows, k={k}: your sizes are {sizes}, expected {want}: "
+                                   f"the {n % k} extra row(s) go to the first slices, one each, "
+                                   "as torch.tensor_split and the trainer split them")
             expect(list(got) if isinstance(got, tuple) else got, micro_batch_slices(n, k),
                     f"the slices for {n} rows, k={k}")
         return case

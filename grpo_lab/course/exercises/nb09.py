@@ -161,7 +161,16 @@ def _report003_stats_over_padding(logp, old_logp, ref_logp, advantages, weights,
                   "kl_k3": objective.kl_k3(logp, ref_logp).detach().mean().item()}
 
 
+def _report003_stat_k3_swapped(logp, old_logp, ref_logp, advantages, weights, cfg):
+    loss, stats = steps.report003_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+    return loss, {**stats, "kl_k3": objective.masked_mean(
+        objective.kl_k3(ref_logp, logp).detach(), weights > 0).item()}
+
+
 REPORT003_STATS_MISTAKES = (
+    Mistake("kl_k3_swapped", _report003_stat_k3_swapped,
+            "stats['kl_k3'] is k3 with its arguments swapped, kl_k3(ref_logp, logp): the "
+            "policy's log-probs come first, `kl_k3(logp, ref_logp)` (log r = ref_logp - logp)"),
     Mistake("stats_over_padding", _report003_stats_over_padding,
             "this stat is averaged over padding too: 'kl' and 'kl_k3' are means over the "
             "completion tokens only, `masked_mean(x, weights > 0)`; a padding position is no "

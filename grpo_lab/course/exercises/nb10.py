@@ -31,7 +31,9 @@ def check_sanitize_logits(fn: Callable) -> CheckResult:
                 f(scores.clone())
             except ValueError:
                 return
-            raise Mismatch(f"{what}: no ValueError; a row of NaN cannot be sampled from")
+            raise Mismatch(f"{what}: no ValueError; a row with no finite logit left cannot be "
+                           "sampled from (NaN made -inf, or -inf already): refuse every row "
+                           "where no entry is finite, not only rows of NaN")
         return case
 
     nan, inf = float("nan"), float("inf")
@@ -45,8 +47,9 @@ def check_sanitize_logits(fn: Callable) -> CheckResult:
         ("a row of NaN must raise ValueError",
          refuses(torch.tensor([[0.0, 1.0, 2.0], [nan, nan, nan]]), "a row of NaN")),
         ("-inf stays -inf (a token the model rules out)",
-         same(torch.tensor([[2.0, -inf, -1.0]]), "logits with -inf: -inf is a valid logit "
-              "(probability 0), leave it; only NaN and +inf are replaced, and")),
+         same(torch.tensor([[2.0, -inf, -1.0]]), "logits with -inf (a valid logit, "
+              "probability 0: leave it; only NaN and +inf are replaced, and torch.nan_to_num "
+              "also replaces -inf unless you pass neginf=-inf)")),
         ("a row of -inf must raise ValueError",
          refuses(torch.tensor([[0.0, 1.0, 2.0], [-inf, -inf, -inf]]), "a row of -inf")),
     ])
@@ -167,12 +170,20 @@ def check_safe_sample(fn: Callable) -> CheckResult:
                            "assert that kills the process): sanitise them first, "
                            "sample_group(..., sanitize=sanitize_logits)")
 
-    def new_pad(f):
-        out = drive(f, drive_sample, fault="new-pad")
+    def new_pad(f, fault="new-pad"):
+        out = drive(f, drive_sample, fault=fault)
+        reached = "error" in out and ("index out of range" in out["error"]
+                                      or "IndexError" in out["error"])
+        if fault == "new-pad-unpadded" and ("error" not in out or reached):
+            raise Mismatch("the prompts here have one length, so the bad pad id is in none "
+                           "of them, and your sampler let it through; the sampler writes the "
+                           "pad id after each finished row's end of text and runs it through "
+                           "the model: check tokenizer.pad_token_id itself against "
+                           "model.get_input_embeddings().num_embeddings")
         if "error" not in out:
             raise Mismatch("a pad token with no embedding row was sampled with: check the "
                            "prompt ids against model.get_input_embeddings().num_embeddings")
-        if "index out of range" in out["error"] or "IndexError" in out["error"]:
+        if reached:
             raise Mismatch("the bad pad id reached the embedding (IndexError on CPU, a "
                            "device-side assert on CUDA): check the ids before the forward, "
                            "and name the id and the table's size in the error")
@@ -186,6 +197,8 @@ def check_safe_sample(fn: Callable) -> CheckResult:
         ("a healthy model, seed 0", healthy(0)), ("a healthy model, seed 1", healthy(1)),
         ("NaN parameters (report 000)", nan_params),
         ("a new pad token the embedding lacks (report 002)", new_pad),
+        ("the same pad token, prompts of one length (no padding in them)",
+         lambda f: new_pad(f, "new-pad-unpadded")),
     ])
 
 
