@@ -96,7 +96,7 @@ def group_advantages(
     advantage_eps: float = 1e-4,
     scale_rewards: bool = True,
 ) -> torch.Tensor:
-    """(B,) rewards, consecutive groups of `group_size` -> (B,) advantages.
+    """(B,) rewards, consecutive groups of `group_size` >= 2 -> (B,) advantages.
 
     A_i = (r_i - mean(group)) / (std(group) + eps), std with Bessel's correction (as TRL).
     A group whose rewards are all equal gets A = 0 (it carries no signal), not NaN:

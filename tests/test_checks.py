@@ -576,6 +576,28 @@ def _sanitize_refusing_nan_rows_only(logits):
                             neginf=-math.inf)
 
 
+def _filter_with_a_std_tolerance(rewards, group_size):
+    return (rewards.view(-1, group_size).std(1) > 1e-6).repeat_interleave(group_size)
+
+
+def _logprobs_cast_after(logits, token_ids):
+    return logits.log_softmax(-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1).float()
+
+
+def _advantages_down_the_columns(rewards, group_size, advantage_eps=1e-4, scale_rewards=True):
+    grouped = rewards.view(group_size, -1)
+    centred = grouped - grouped.mean(0, keepdim=True)
+    if scale_rewards:
+        centred = centred / (grouped.std(0, keepdim=True) + advantage_eps)
+    return centred.reshape(-1)
+
+
+def _sampler_stopping_at_the_first_eos(model, ids, mask, n, temperature, eos, pad):
+    out = steps.sample_tokens(model, ids, mask, n, temperature, eos, pad)
+    first = int((out == eos).any(0).long().argmax()) if bool((out == eos).any()) else n - 1
+    return out[:, :first + 1]
+
+
 def _accumulated_with(metric):
     """hardening.accumulated_grpo_step whose metrics[key] is `metric` of its parts' (loss,
     kl) pairs."""
@@ -610,6 +632,13 @@ def _accumulated_with(metric):
      "check tokenizer.pad_token_id itself"),
     (nb10.check_sanitize_logits, _sanitize_refusing_nan_rows_only,
      "refuse every row where no entry is finite, not only rows of NaN"),
+    (nb02.check_zero_std_group_filter, _filter_with_a_std_tolerance,
+     "compare the values themselves (max == min)"),
+    (nb01.check_token_logprobs, _logprobs_cast_after, "cast the logits to float32 first"),
+    (nb02.check_group_advantages, _advantages_down_the_columns,
+     "your groups are groups of every B/G-th reward"),
+    (nb01.check_sample_tokens, _sampler_stopping_at_the_first_eos,
+     "not until one is (`done.any()`)"),
     (nb09.check_adaptive_beta, _beta_by_difference, "the error is a proportion"),
     (nb09.check_adaptive_beta, _beta_horizon_inverted, "yours multiplies by horizon / n_steps"),
     (nb10.check_safe_sample, _safe_sample_at_one, "your draws are sample_group's at "

@@ -10,7 +10,7 @@ import torch
 from ... import objective
 from ...objective import position_ids_from_mask, token_logprobs
 from .. import steps
-from .base import CheckResult, Exercise, Mismatch, Mistake, expect, gen, run_check
+from .base import CheckResult, Exercise, Mismatch, Mistake, close, expect, gen, run_check
 from .fixtures import drive, drive_sample_tokens, tiny_model
 
 
@@ -48,7 +48,24 @@ def check_token_logprobs(fn: Callable) -> CheckResult:
             if isinstance(got, torch.Tensor) and got.shape == ids.shape and (got > 1e-6).any():
                 raise Mismatch(f"{what}: some log-probs are > 0; did you gather from the logits "
                                "instead of log_softmax(logits)?")
-            expect(got, ref(logits, ids), f"{what}: the log-probs")
+            if isinstance(got, torch.Tensor) and got.is_floating_point() and \
+                    got.dtype != torch.float32 and logits.dtype != torch.float64:
+                raise Mismatch(f"{what}: your log-probs are {got.dtype}; return float32, with "
+                               "the log-softmax computed in float32 (`logits.float()` first): "
+                               "bfloat16 keeps about 3 significant digits, too few for the "
+                               "log of a small probability")
+            want = ref(logits, ids)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and not close(got, want):
+                narrow = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+                if logits.dtype != torch.float32 and close(got, narrow.float()):
+                    raise Mismatch(f"{what}: you took the log-softmax in {logits.dtype} and "
+                                   "cast after it; cast the logits to float32 first "
+                                   "(`logits.float().log_softmax(-1)`)")
+                other = logits.float().log_softmax(-2).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+                if close(got, other):
+                    raise Mismatch(f"{what}: your log-probs are normalised over the positions "
+                                   "(dim -2), not over the vocabulary: log_softmax(dim=-1)")
+            expect(got, want, f"{what}: the log-probs")
         return run
 
     logits = torch.randn(3, 4, 7, generator=gen(0))
@@ -58,6 +75,9 @@ def check_token_logprobs(fn: Callable) -> CheckResult:
         ("random logits", case(logits, ids, "random logits")),
         ("logits of size 1000 (use log_softmax, not log(softmax))",
          case(big, torch.zeros(2, 3, dtype=torch.long), "huge logits")),
+        ("bfloat16 logits, as under autocast (the log-softmax in float32)",
+         case((torch.randn(2, 3, 50, generator=gen(3)) * 4).bfloat16(),
+              torch.randint(0, 50, (2, 3), generator=gen(4)), "bfloat16 logits")),
     ])
 
 
@@ -72,6 +92,27 @@ def _sampler_no_position_ids(model, ids, mask, n, temperature, eos, pad):
     out = seq[:, ids.shape[1]:]
     ended = (out == eos).long().cumsum(-1) - (out == eos).long() > 0
     return out.masked_fill(ended, pad)
+
+
+def _sampler_positions_from_the_width(model, ids, mask, n, temperature, eos, pad):
+    # the prompt's positions from the mask, each new token's from the padded width P + t
+    P = ids.shape[1]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                use_cache=True)
+    cache, logits, m, tokens = out.cache, out.logits[:, -1].float(), mask, []
+    done = torch.zeros(len(ids), dtype=torch.bool)
+    for t in range(n):
+        token = torch.multinomial(torch.softmax(logits / temperature, -1), 1).squeeze(1)
+        token = torch.where(done, pad, token)
+        tokens.append(token)
+        done = done | (token == eos)
+        if bool(done.all()) or t == n - 1:
+            break
+        m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+        out = model(input_ids=token[:, None], attention_mask=m, cache=cache, use_cache=True,
+                    position_ids=torch.full_like(token[:, None], P + t))
+        cache, logits = out.cache, out.logits[:, -1].float()
+    return torch.stack(tokens, 1)
 
 
 def _sampler_at_one(model, ids, mask, n, temperature, eos, pad):
@@ -90,6 +131,10 @@ SAMPLE_TOKENS_MISTAKES = (
     Mistake("no_position_ids", _sampler_no_position_ids,
             "no position ids: a left-padded row then sees its tokens at shifted positions; "
             "pass position_ids from the mask (and the next position, one more, at each step)"),
+    Mistake("positions_from_the_width", _sampler_positions_from_the_width,
+            "each new token's position id counts the left padding (P + step): a padded row's "
+            "tokens then sit further along than an unpadded row's; continue from each row's "
+            "own last position, one more per step (position_ids_from_mask's last column + 1)"),
     Mistake("temperature_ignored", _sampler_at_one,
             "the temperature is missing: sample from softmax(logits / temperature)"),
     Mistake("no_padding_after_eos", _no_padding_after_eos,
@@ -114,6 +159,12 @@ def explain_sampled_shape(out: torch.Tensor, want: torch.Tensor) -> None:
                        if m.name == "no_padding_after_eos")
         raise Mismatch(f"row(s) {rows}, EOS id {eos}, pad id {pad}: {message}")
     n = want.shape[1]
+    ended = (is_eos.cumsum(-1) > 0).any(-1)  # rows that produced an EOS
+    if out.shape[1] < n and not bool(ended.all()):
+        open_rows = [int(r) for r in (~ended).nonzero().flatten()][:8]
+        raise Mismatch(f"you returned {out.shape[1]} columns, and row(s) {open_rows} had not "
+                       "produced their EOS yet: the loop goes on until every row is done "
+                       "(`done.all()`), not until one is (`done.any()`), or max_new_tokens")
     if out.shape[1] > n and torch.equal(out[:, :n], want) and bool((out[:, n:] == pad).all()):
         raise Mismatch(f"you returned {out.shape[1]} columns; every row had ended after {n} "
                        "steps, where the reference stops: end the loop once every row has "
@@ -137,6 +188,16 @@ def check_sample_tokens(fn: Callable) -> CheckResult:
                         torch.equal(out, other):
                     raise Mismatch(f"the sampled ids differ from the reference's (same seed): "
                                    f"{mistake.message}")
+            if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[0] == want.shape[0] \
+                    and out.shape[1] != want.shape[1]:
+                k = min(out.shape[1], want.shape[1])
+                same_steps = (out[:, :k] == want[:, :k]).all(0).long().cumprod(0).sum().item()
+                raise Mismatch(f"yours ran {out.shape[1]} steps, the reference {want.shape[1]}, "
+                               f"with the same seed: the draws agree for the first "
+                               f"{same_steps} step(s), then differ, so the rows end at other "
+                               "steps: something in the forward after step 1 differs (the "
+                               "attention mask grown by one column per step, the position "
+                               "ids, the cache fed back, the temperature)")
             expect(out, want, "the sampled completion ids (same seed, same draws)")
         return run
 

@@ -22,6 +22,17 @@ def check_group_advantages(fn: Callable) -> CheckResult:
             if isinstance(got, torch.Tensor) and torch.isnan(got).any():
                 raise Mismatch("your advantages are NaN when every reward in a group is "
                                "equal: divide by (std + advantage_eps)")
+            n = rewards.numel()
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and n // g != g:
+                chunks = ref(rewards, n // g, **kw)  # G groups of B/G consecutive rewards
+                columns = ref(rewards.view(g, -1).T.reshape(-1), g, **kw).view(-1, g).T
+                for theirs, how in ((chunks, f"G groups of B/G = {n // g} consecutive rewards"),
+                                    (columns.reshape(-1), "groups of every B/G-th reward (the "
+                                     "columns of rewards.view(G, -1))")):
+                    if close(got, theirs):
+                        raise Mismatch(f"your groups are {how}; a group is G = {g} "
+                                       "consecutive rewards: rewards.view(-1, G), a row per "
+                                       "group, and the statistics over dim 1")
             if isinstance(got, torch.Tensor) and got.shape == want.shape:
                 grouped = got.view(-1, g).sum(-1)
                 if grouped.abs().max() > 1e-4 and want.view(-1, g).sum(-1).abs().max() < 1e-4:
@@ -40,9 +51,11 @@ def check_group_advantages(fn: Callable) -> CheckResult:
                                    "std with Bessel's correction, over G - 1, torch's default "
                                    "`std()`")
                 if close(got, floored.reshape(-1)):
-                    raise Mismatch(f"for rewards {rewards.tolist()} you used advantage_eps as "
-                                   "a floor under the std (`clamp(min=eps)`): add it, std + "
-                                   "eps, so every group's scale moves by the same eps")
+                    raise Mismatch(f"for rewards {rewards.tolist()} your mixed groups were "
+                                   "divided by their std without advantage_eps added (no eps, "
+                                   "an eps far smaller than the default 1e-4, or eps as a "
+                                   "floor, `clamp(min=eps)`): divide by std + advantage_eps, "
+                                   "so every group's scale moves by the same eps")
             expect(got, want, f"advantages for rewards {rewards.tolist()}")
         return run
 
@@ -175,6 +188,22 @@ def check_zero_std_group_filter(fn: Callable) -> CheckResult:
             if torch.equal(got, (grouped != grouped[:, :1]).any(1).repeat(g)):
                 raise Mismatch(f"{what}: rows in the wrong order; the groups are consecutive, "
                                "so repeat each verdict with repeat_interleave, not repeat")
+            if got.dtype == torch.bool:  # the first group whose verdict is wrong, in words
+                verdicts = got.view(-1, g)
+                wrong = [i for i in range(len(grouped))
+                         if not bool((verdicts[i] == want.view(-1, g)[i]).all())]
+                i = wrong[0]
+                spread = (grouped[i].max() - grouped[i].min()).item()
+                if bool(want.view(-1, g)[i, 0]) and not bool(verdicts[i].any()):
+                    raise Mismatch(f"{what}: group {i}'s rewards differ (by {spread:.3g}) and "
+                                   "you dropped it; any difference is signal, however small: "
+                                   "compare max and min exactly, with no tolerance")
+                if not bool(want.view(-1, g)[i, 0]) and bool(verdicts[i].all()):
+                    raise Mismatch(f"{what}: group {i}'s rewards are all equal "
+                                   f"({grouped[i, 0].item():g}) and you kept it; a std or a "
+                                   "spread tested against a threshold depends on the rewards' "
+                                   "size (float32's std of equal values is not always 0): "
+                                   "compare max and min exactly")
             expect(got, want, f"{what}: the mask")
         return run
 
@@ -190,6 +219,10 @@ def check_zero_std_group_filter(fn: Callable) -> CheckResult:
                                                     8)),
         ("G=1 keeps nothing", case(torch.tensor([1.0, 0.0, 1.0]), 1)),
         ("one group of 5", case(torch.tensor([0.0, 0, 0, 0, 1]), 5)),
+        ("large equal rewards: seven 3333.333s (float32's std of them is 5e-4)",
+         case(torch.tensor([3333.333] * 7), 7)),
+        ("rewards that differ by 1e-7: still a signal",
+         case(torch.tensor([0.0, 1e-7, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), 4)),
     ])
 
 

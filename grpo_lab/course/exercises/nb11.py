@@ -54,8 +54,10 @@ ACCUMULATION_FOR_BUDGET = Exercise(
     mistakes=(
         Mistake("floor_division", partial(_first_k_that_fits, fits=lambda n, k, m, b:
                                           (n // k) * m <= b),
-                "you sized the largest micro-batch as rows // k; with rows that do not divide "
-                "evenly it holds one row more, ceil(rows / k) (math.ceil, or -(-rows // k))"),
+                "your k leaves the largest micro-batch over the budget: it holds ceil(rows / k) "
+                "rows, one more than rows // k when they do not divide evenly, so neither "
+                "rows // k nor k = ceil(rows x MiB per row / budget) sizes it; take the "
+                "smallest k whose ceil(rows / k) rows fit (math.ceil, or -(-rows // k))"),
         Mistake("divisors_only", partial(_first_k_that_fits, fits=lambda n, k, m, b:
                                          n % k == 0 and n // k * m <= b),
                 "you only tried k that divide the rows; the trainer's micro-batches may differ "
