@@ -260,3 +260,67 @@ def test_a_prediction_scores_its_form_and_nothing_of_it_runs(tmp_path, monkeypat
     assert "low must be <= high" in reasons["reversed"]
     assert "low must be a number (got '<not a literal>')" in reasons["hostile"]
     assert not canary.exists()
+
+
+# --- hostile text and files (a probe of the grader, 2026-11-28) ---------------------------------
+def test_a_reason_is_kept_short_printable_and_writable_whatever_the_submission_raises(
+        tmp_path, solutions, capsys):
+    """An exception whose message holds a lone surrogate (UTF-8 cannot write it) crashed the
+    journal, and every restart crashed again; a 3 MB type name and terminal escape codes
+    went into the JSON and the printed table. Now the reason is cut, escaped, and written."""
+    hostile = GOOD.replace("    g = rewards.view", "    raise type('E' * 100000, (ValueError,), "
+                           "{})('oops \\ud800 \\x1b[2K\\rtotal zzz: 9/9')\n    g = rewards.view")
+    bad = notebook(tmp_path / "a" / "sub.ipynb", SETUP, hostile, GOOD_KL)
+    fine = notebook(tmp_path / "z" / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+    rows = run(tmp_path, [bad, fine], csv=str(tmp_path / "g.csv"))
+    assert [r["points"] for r in rows] == [0, 1, 1, 1]
+    reason = rows[0]["reason"]
+    assert len(reason) <= grade.MAX_REASON_CHARS and "\x1b" not in reason
+    assert "\\x1b" in reason or "E" * 50 in reason  # shown, escaped or cut
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and "total z: 2/2" in printed
+
+
+def test_a_cell_too_deep_to_parse_is_no_grader_crash(tmp_path, solutions):
+    """ast.parse raises MemoryError or RecursionError, not SyntaxError, on an expression
+    nested 100,000 deep; the grader stopped at it and wrote nothing."""
+    deep = notebook(tmp_path / "a" / "sub.ipynb", SETUP, GOOD, "x = " + "-" * 100_000 + "1",
+                    "y = a" + ".b" * 100_000, GOOD_KL)
+    fine = notebook(tmp_path / "z" / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+    rows = run(tmp_path, [deep, fine])
+    assert [r["student"] for r in rows] == ["a", "a", "z", "z"]
+    assert [r["points"] for r in rows[2:]] == [1, 1]
+
+
+def test_hints_of_a_file_nested_too_deep_for_json_are_none():
+    assert grade.submission_hints(b"[" * 200_000 + b"]" * 200_000) == {}
+
+
+def test_a_file_named_as_one_lab_holding_another_is_graded_as_named(tmp_path, monkeypatch):
+    """A finished easier lab submitted under the assignment's name scored its own 100%:
+    now it is graded against the named lab's exercises, and the reason says what it holds."""
+    folder = tmp_path / "solutions"
+    use_manifest(monkeypatch, tmp_path,
+                 notebook(folder / "02_easy.ipynb", SETUP, GOOD, CHECK_ADV),
+                 notebook(folder / "03_hard.ipynb", SETUP, GOOD_KL, CHECK_KL))
+    sneaky = notebook(tmp_path / "s" / "03_hard.ipynb", SETUP, GOOD)
+    honest = notebook(tmp_path / "h" / "03_hard.ipynb", SETUP, GOOD_KL)
+    rows = run(tmp_path, [sneaky, honest], csv=str(tmp_path / "g.csv"))
+    assert [(r["student"], r["exercise"], r["points"], r["max_points"]) for r in rows] == [
+        ("s", "kl_k3", 0, 1), ("h", "kl_k3", 1, 1)]
+    assert "holds the lab of 02_easy.ipynb" in rows[0]["reason"]
+
+
+def test_feedback_files_and_gradebook_cells_of_odd_student_names(tmp_path, solutions):
+    """'jo smith' and 'jo_smith' made one feedback file, the second overwriting the first;
+    a student name that starts like a spreadsheet formula is written as text."""
+    paths = [notebook(tmp_path / name / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+             for name in ("jo smith", "jo_smith", "=HYPERLINK(1)")]
+    run(tmp_path, paths, csv=str(tmp_path / "g.csv"), feedback=str(tmp_path / "fb"))
+    files = sorted(p.name for p in (tmp_path / "fb").iterdir())
+    assert len(files) == 3, files
+    texts = {(tmp_path / "fb" / f).read_text().splitlines()[0] for f in files}
+    assert texts == {"# Feedback for jo smith", "# Feedback for jo_smith",
+                     "# Feedback for =HYPERLINK(1)"}
+    rows = (tmp_path / "g.csv").read_text().splitlines()
+    assert any(r.startswith("'=HYPERLINK(1)") or r.startswith('"\'=HYPERLINK(1)') for r in rows), rows

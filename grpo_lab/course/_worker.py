@@ -213,8 +213,57 @@ class Tripwire:
                     self.hit = f"{suffix[:-3].replace('/', '.')}.{name}"
 
 
+TAMPERED = "!switched the grader's call monitor off during the call (sys.setprofile)"
+_monitor: Tripwire | None = None  # the call in progress: threads it starts are watched too
+
+
+def _to_the_monitor(frame, event, arg):
+    """The profile hook of every thread the student's code starts: the Tripwire of the call
+    in progress, whenever that call is (a thread started by a cell, at definition time, may
+    do a later call's work)."""
+    if _monitor is not None:
+        _monitor(frame, event, arg)
+
+
+def _watch_new_threads() -> None:
+    """Every thread the student's code starts reports to the Tripwire of the call in
+    progress: a profile hook is per thread, and a reference called in a thread of the
+    student's own went unseen. Installed before any student code runs (threading keeps its
+    own name for the start function, so both are wrapped)."""
+    import _thread
+    import threading
+
+    def watched(start):
+        def start_new_thread(function, args=(), kwargs=None, *rest):
+            def run(*a, **k):
+                sys.setprofile(_to_the_monitor)
+                return function(*a, **k)
+            return start(run, args, {} if kwargs is None else kwargs, *rest)
+        return start_new_thread
+
+    _thread.start_new_thread = watched(_thread.start_new_thread)
+    threading._start_new_thread = watched(threading._start_new_thread)
+
+
+def _watched_call(trip: Tripwire, function, *args, **kwargs):
+    """function(*args, **kwargs) under `trip`, in this thread and the threads it starts; a
+    call that removes the hook is itself flagged (TAMPERED)."""
+    global _monitor
+    _monitor = trip
+    sys.setprofile(trip)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        if sys.getprofile() is not trip and trip.hit is None:
+            trip.hit = TAMPERED
+        sys.setprofile(None)
+        _monitor = None
+
+
 def main(fd_in: int, fd_out: int) -> None:
     import torch
+
+    _watch_new_threads()
 
     torch.set_num_threads(1)
     reply(fd_out, {"ready": True})  # started: the grader's per-request limits apply from here
@@ -246,11 +295,7 @@ def main(fd_in: int, fd_out: int) -> None:
                 _, name, args, kwargs = request
                 trip.forbidden, trip.hit = forbidden[name], None
                 last.clear()
-                sys.setprofile(trip)
-                try:
-                    out = functions[name](*args, **kwargs)
-                finally:
-                    sys.setprofile(None)
+                out = _watched_call(trip, functions[name], *args, **kwargs)
                 inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
                 every = _tensors(out)
                 index = [i for i, t in enumerate(every) if t.requires_grad]
@@ -272,11 +317,7 @@ def main(fd_in: int, fd_out: int) -> None:
                     raise ValueError(f"no exercise's driver is {module}.{driver}")
                 trip.forbidden, trip.hit = forbidden[name], None
                 last.clear()
-                sys.setprofile(trip)
-                try:
-                    out = run_driver(functions[name], **params)
-                finally:
-                    sys.setprofile(None)
+                out = _watched_call(trip, run_driver, functions[name], **params)
                 tensors = []
                 reply(fd_out, {"value": encode(out, tensors), "reference": trip.hit}, tensors)
             elif kind == "backward":

@@ -57,6 +57,19 @@ from .labs import (
 )
 
 MAX_NOTEBOOK_BYTES = 20 << 20
+MAX_CODE_CHARS = 1 << 20  # a lab's code cells hold about 50 kB; the grader parses them all
+MAX_REASON_CHARS = 600  # what a record keeps of a reason (a submission's text can be in it)
+UNPARSEABLE = (SyntaxError, ValueError, MemoryError, RecursionError)  # what ast.parse raises
+
+
+def clean_reason(text: str) -> str:
+    """A reason as the gradebook, the journal and a terminal can hold it, whatever a
+    submission put in it: lone surrogates escaped (UTF-8 cannot write them), control
+    characters other than a newline or a tab shown as escapes (no terminal codes), at most
+    MAX_REASON_CHARS characters."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 15] + " ... (cut)"
 JOURNAL_VERSION = 1
 
 
@@ -104,7 +117,7 @@ def read_cells(raw: bytes) -> list[Cell]:
 def defines(source: str) -> set[str]:
     try:
         tree = ast.parse(python_source(source))
-    except SyntaxError:
+    except UNPARSEABLE:
         return set(re.findall(r"^def\s+(\w+)\s*\(", source, re.M))
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
@@ -156,7 +169,7 @@ def prelude(exercise: dict, source: str, forbidden: set[str], provided: bool = T
     try:
         used = {n.id for n in ast.walk(ast.parse(python_source(source)))
                 if isinstance(n, ast.Name)}
-    except SyntaxError:
+    except UNPARSEABLE:
         used = set(re.findall(r"\w+", source))
     lines = []
     for stmt in exercise["setup"]:
@@ -173,31 +186,46 @@ def prelude(exercise: dict, source: str, forbidden: set[str], provided: bool = T
 # --- grading one submission ------------------------------------------------------------------
 def student_name(path: Path, all_paths: list[Path]) -> str:
     parents = {p.parent for p in all_paths}
-    return path.parent.name if len(parents) > 1 or len(all_paths) == 1 and \
+    name = path.parent.name if len(parents) > 1 or len(all_paths) == 1 and \
         path.parent.name not in ("", ".") else path.stem
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")  # a file name's odd bytes
 
 
 def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
                      limits: sandbox.Limits, raw: bytes | None = None,
                      mystery_key: dict | None = None) -> list[Record]:
     def one(exercise: str, points: int, max_points: int, status: str, reason: str) -> Record:
-        return Record(str(path), student, exercise, points, max_points, status, reason)
+        return Record(str(path), student, exercise, points, max_points, status,
+                      clean_reason(reason))
+
+    def refused(spec: dict | None, why: str) -> list[Record]:  # every item of spec: 0, why
+        if not spec:
+            return [one("(none)", 0, 0, "not graded", why)]
+        return [one(e["function"], 0, e["points"], "not graded", why)
+                for e in spec["exercises"]] + [
+            one(f"diagnose {d['run']}", 0, d["points"], "not graded", why)
+            for d in spec.get("diagnoses", [])]
 
     try:
         raw = raw if raw is not None else _read(path)
         cells = read_cells(raw)
     except Exception as e:  # noqa: BLE001 - any unreadable file is graded 0 with why
-        nb = manifest["notebooks"].get(path.name)
-        why = f"could not read the notebook: {type(e).__name__}: {str(e)[:160]}"
-        if nb:
-            return [one(e["function"], 0, e["points"], "not graded", why)
-                    for e in nb["exercises"]] + [
-                one(f"diagnose {d['run']}", 0, d["points"], "not graded", why)
-                for d in nb.get("diagnoses", [])]
-        return [one("(none)", 0, 0, "not graded", why)]
+        return refused(manifest["notebooks"].get(path.name),
+                       f"could not read the notebook: {type(e).__name__}: {str(e)[:160]}")
+    named = manifest["notebooks"].get(path.name)
+    code = sum(len(c.source) for c in cells)
+    if code > MAX_CODE_CHARS:
+        return refused(named, f"its code cells hold {code:,} characters, more than the "
+                       f"{MAX_CODE_CHARS:,} the grader reads (a lab's hold about 50,000)")
     nb_name, note = match_notebook(path.name, cells, manifest)
     if nb_name is None:
         return [one("(none)", 0, 0, "not graded", note)]
+    if named and (named["exercises"] or named.get("diagnoses")) and nb_name != path.name:
+        # named as one course notebook, holding another's lab: graded as what it is named,
+        # so a finished easier lab cannot stand in for the assignment
+        return refused(named, f"the file is named {path.name} but holds the lab of "
+                       f"{nb_name} (by its exercises): none of {path.name}'s is in it; "
+                       f"submit your {path.name}")
     spec = manifest["notebooks"][nb_name]
     records: list[Record] = []
     if spec["exercises"]:
@@ -317,6 +345,9 @@ def _grade_exercise(worker: sandbox.Worker, cells: list[Cell], ex: dict, one, no
     checker = find_checker(ex["checker"])
     with contextlib.redirect_stdout(io.StringIO()):
         result = checker(remote)
+    if remote.reference_called and remote.reference_called.startswith("!"):
+        return one(name, 0, pts, "flagged", f"{name}() {remote.reference_called[1:]}: only "
+                   "code that hides its calls needs that; write the exercise yourself" + note)
     if remote.reference_called:
         return one(name, 0, pts, "flagged", f"{name}() calls the reference "
                    f"{remote.reference_called}: write the exercise yourself" + note)
@@ -444,7 +475,8 @@ def submission_hints(raw: bytes) -> dict[str, int]:
         nb = json.loads(raw.decode("utf-8"))
         outputs = [o for c in nb.get("cells", []) if isinstance(c, dict)
                    for o in c.get("outputs", []) or [] if isinstance(o, dict)]
-    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
+    except (ValueError, UnicodeDecodeError, AttributeError, TypeError, RecursionError,
+            MemoryError):
         return {}
     text = []
     for o in outputs:
@@ -472,7 +504,7 @@ def write_gradebook(records: list[Record], path: Path,
                     *(["hints_opened"] if hints is not None else [])])
         for student, rs in _by_student(records).items():
             pts = {r.exercise: r.points for r in rs}
-            row = [student, *(pts.get(e, 0) for e in exercises), sum(r.points for r in rs),
+            row = [inert(student), *(pts.get(e, 0) for e in exercises), sum(r.points for r in rs),
                    sum(r.max_points for r in rs) or sum(max_of.values())]
             if stretch:
                 row += [sum(pts.get(e, 0) for e in stretch), sum(max_of[e] for e in stretch)]
@@ -487,7 +519,7 @@ def write_feedback(records: list[Record], folder: Path, ideas: dict[str, str],
     pass, its idea (hint 1); with `opened`, the hints the student opened for it."""
     folder.mkdir(parents=True, exist_ok=True)
     stretch = stretch_exercises()
-    written = []
+    written, taken = [], set()
     for student, rs in _by_student(records).items():
         lines = [f"# Feedback for {student}", "",
                  f"Total: **{_totals(rs, stretch)}**", ""]
@@ -503,10 +535,21 @@ def write_feedback(records: list[Record], folder: Path, ideas: dict[str, str],
             if opened is not None:
                 n = opened.get(student, {}).get(r.exercise, 0)
                 lines += [f"Hints opened: {n} of 2", ""]
-        p = folder / f"{_safe(student)}.md"
+        stem, n = _safe(student), 1
+        while stem.lower() in taken:  # two students whose names make one file name
+            n += 1
+            stem = f"{_safe(student)}-{n}"
+        taken.add(stem.lower())
+        p = folder / f"{stem}.md"
         p.write_text("\n".join(lines), encoding="utf-8")
         written.append(p)
     return written
+
+
+def inert(text: str) -> str:
+    """A CSV cell a spreadsheet shows as text: one that starts like a formula (=, +, -, @,
+    a tab, a carriage return) gets a leading apostrophe (OWASP's CSV injection advice)."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def _safe(name: str) -> str:

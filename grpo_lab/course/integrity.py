@@ -47,8 +47,8 @@ def violations(source: str, function: str, forbidden: set[str], may_import: set[
     (dotted module paths and names, e.g. 'grpo_lab.objective.exact_kl')."""
     try:
         tree = ast.parse(source)
-    except SyntaxError:
-        return []  # the worker reports the syntax error itself
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []  # the worker reports the error itself, in its sandbox
     out: list[Violation] = []
 
     def flag(node: ast.AST, reason: str) -> None:

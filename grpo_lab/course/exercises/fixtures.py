@@ -168,7 +168,8 @@ def drive_guarded(fn, seed: int = 0, recent: tuple = (), nan_grad: bool = False,
     cleared = all(p.grad is None or not bool(p.grad.nan_to_num(1.0).any())
                   for p in run.policy.parameters())
     return {"update": (flat_params(run.policy) - before).nan_to_num(1e9), "out": out,
-            "recent": [float(x) for x in run.recent_grad_norms], "cleared": cleared}
+            "recent": [float(x) for x in run.recent_grad_norms], "cleared": cleared,
+            "window": getattr(run.recent_grad_norms, "maxlen", None)}
 
 
 @reuses_known_results
@@ -421,7 +422,8 @@ def check_stat(got: dict, want: dict, key: str, params: dict,
             raise Mismatch(f"stats[{key!r}] is {got[key]:.6g}, expected {want[key]:.6g}: "
                            f"{mistake.message}")
     if key.endswith("max_abs"):
-        meant = "the largest |value| over the completion tokens, before any clamp"
+        meant = ("the largest |summed log-ratio| over the completions (one per "
+                 "completion), before any clamp")
     else:
         meant = ("a fraction of the batch's completion tokens" if key.startswith("clip_ratio")
                  else "a mean over the completion tokens of the batch")

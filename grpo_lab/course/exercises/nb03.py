@@ -90,8 +90,19 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
             raise Mismatch(f"the upper clip bound ignores eps_high: a token with A > 0 and r = "
                            f"1.35 gets clip(r) = 1 + eps_low = {1 + eps_low:g}, expected 1 + "
                            f"eps_high = {1 + eps_high:g}; clamp(r, 1 - eps_low, 1 + eps_high)")
+        if eps_high != eps_low and close(loss, ref(logp, old, adv, eps_high, eps_low)[0]) \
+                and not close(loss, want_loss):
+            raise Mismatch(f"your clip bounds are swapped: the lower bound is 1 - eps_low = "
+                           f"{1 - eps_low:g}, the upper 1 + eps_high = {1 + eps_high:g}; "
+                           "clamp(r, 1 - eps_low, 1 + eps_high)")
         expect(loss, want_loss, f"the per-token loss (eps_low={eps_low}, eps_high={eps_high})")
         clipped = got[1]
+        if isinstance(clipped, torch.Tensor) and clipped.shape == want_clipped.shape and \
+                bool((clipped.bool() & (adv == 0)[:, None]).any()):
+            raise Mismatch("region_clipped marks tokens whose advantage is 0 (what an "
+                           "all-equal group gives): the clip changes nothing there, so the "
+                           "signs are strict, r < 1 - eps_low with A < 0 and r > 1 + eps_high "
+                           "with A > 0")
         r = (logp - old).exp()
         sign_blind = (r < 1 - eps_low) | (r > 1 + eps_high)
         if isinstance(clipped, torch.Tensor) and clipped.shape == sign_blind.shape and \
@@ -106,8 +117,15 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
         requires_grad(got[0], "your per-token loss")
         lp2 = logp.clone().requires_grad_(True)
         want = grad_of(ref(lp2, old, adv, eps_low, eps_high)[0], lp2, upstream, "the loss")
-        expect(grad_of(got[0], lp, upstream, "the loss"), want,
-                "the gradient of the loss with respect to logp")
+        grad = grad_of(got[0], lp, upstream, "the loss")
+        inside = ((r >= 1 - eps_low) & (r <= 1 + eps_high))
+        if isinstance(grad, torch.Tensor) and grad.shape == want.shape and not close(grad, want) \
+                and close(grad[inside], want[inside] / 2) and close(grad[~inside], want[~inside]):
+            raise Mismatch("inside the clip range your gradient is half the expected one: "
+                           "there r x A and clip(r) x A are equal, torch.min splits the gradient "
+                           "between them, and your clipped branch carries none (detached?); "
+                           "keep both branches differentiable")
+        expect(grad, want, "the gradient of the loss with respect to logp")
 
     def clamp(f):
         far = old + torch.tensor([-30.0, -3.0, 0.0, 3.0, 30.0, 1.0]).unsqueeze(-1)
@@ -118,6 +136,16 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
             raise Mismatch("log_ratio_clamp=2.0 changed nothing: clamp log r = logp - "
                            "old_logp to [-2, 2] before exp (with log r = 30, exp overflows "
                            "the loss)")
+        log_r = far - old
+        for wrong, words in (
+                (log_r.exp().clamp(-2.0, 2.0), "you clamped the ratio r itself to [-2, 2]; "
+                 "clamp the log-ratio, then exp: r = exp(clamp(logp - old_logp, -2, 2))"),
+                (log_r.clamp(max=2.0).exp(), "only the upper side is clamped: a log-ratio of "
+                 "-30 is left as it is; clamp both sides, [-c, c]")):
+            r_clip = wrong.clamp(0.8, 1.2)
+            a = adv.unsqueeze(-1)
+            if close(loss, -torch.min(wrong * a, r_clip * a)) and not close(loss, want):
+                raise Mismatch(words)
         expect(loss, want, "the per-token loss with log_ratio_clamp=2.0 (log r of +-3, +-30)")
 
     def reference_ratio(f):
@@ -144,6 +172,8 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
         ("asymmetric clip range (eps_high = 0.28)", lambda f: run(f, 0.2, 0.28, adv=-adv)),
         ("ratio 1 when the policy has not moved", reference_ratio),
         ("a ratio exactly on the clip bound (eps = 0, r = 1)", on_the_bound),
+        ("advantage 0 on tokens outside the clip range (an all-equal group)",
+         lambda f: run(f, adv=torch.tensor([0.0, 1.0, -1.0, 1.0, -1.0, 0.0]))),
         ("log_ratio_clamp bounds the log-ratio before exp", clamp),
     ])
 
@@ -174,6 +204,20 @@ def check_token_weights(fn: Callable) -> CheckResult:
                                    "the padded batch: grpo averages each completion over its "
                                    "own length, then over the B completions, mask / "
                                    "(length of its row x B)")
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                on_padding = (got != 0) & (mask == 0)
+                if bool(on_padding.any()):
+                    r, t = (int(i) for i in on_padding.nonzero()[0])
+                    raise Mismatch(f"{loss_type}: your weights are not 0 on padding (row {r}, "
+                                   f"position {t}, mask 0: {float(got[r, t]):.4g}); a padding "
+                                   "position is no token: multiply by the mask")
+                rows_used = int((mask.sum(-1) > 0).sum())
+                if loss_type in ("grpo", "dr_grpo") and close(
+                        got.sum() * rows_used, want.sum() * mask.shape[0]):
+                    raise Mismatch(f"{loss_type}: you divided by the {rows_used} rows that "
+                                   f"have tokens; B counts every row of the batch "
+                                   f"({mask.shape[0]}), empty ones too (an empty completion is "
+                                   "still one of the G samples)")
             if isinstance(got, torch.Tensor) and got.shape == want.shape and not close(
                 got.sum(), want.sum()
             ):
@@ -193,9 +237,21 @@ def check_token_weights(fn: Callable) -> CheckResult:
                        "loss_type you do not know: a typo in the config would otherwise train "
                        "with a loss nobody chose")
 
+    def all_empty(f):
+        empty = torch.zeros(3, 4, dtype=torch.long)
+        for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):
+            got = f(empty.clone(), loss_type, cap)
+            if isinstance(got, torch.Tensor) and not bool(torch.isfinite(got).all()):
+                raise Mismatch(f"{loss_type}: a batch in which every completion is empty "
+                               "gives NaN weights (0 tokens: 0 / 0), and the loss is NaN; "
+                               "count at least 1 token (`clamp(min=1)`): every weight is then "
+                               "0, as padding's is")
+            expect(got, ref(empty, loss_type, cap), f"{loss_type} weights with no tokens")
+
     return run_check("token_weights", fn, ref, [(t, case(t)) for t in
                                                 ("grpo", "bnpo", "dapo", "dr_grpo")] +
-                     [("an unknown loss_type", unknown)])
+                     [("an unknown loss_type", unknown),
+                      ("a batch with no completion tokens at all", all_empty)])
 
 
 def reference_dual_clip_surrogate(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
+
 from ... import naive
 from ...objective import (
     clipped_surrogate,
@@ -93,7 +95,20 @@ def _clipped_ratio(logp, old_logp, ref_logp, advantages, weights, cfg):
     return _report_variant(logp, ref_logp, ref_logp, advantages, weights, cfg, constant=False)
 
 
+def _mean_log_ratio(logp, old_logp, ref_logp, advantages, weights, cfg):
+    m = (weights > 0).to(logp.dtype)
+    mean = ((logp - ref_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    per_token, _ = naive.constant_clip_surrogate(mean.expand_as(logp), torch.zeros_like(logp),
+                                                 advantages.detach(), cfg.epsilon_low,
+                                                 cfg.epsilon_high, None)
+    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
+
+
 REPORTED_LOSS_MISTAKES = (
+    Mistake("mean_log_ratio", _mean_log_ratio,
+            "the log-ratio is averaged over each completion's tokens: the course's reading of "
+            "report 001 sums it (a sequence-level ratio, exp of the summed log-ratio), which "
+            "is what grows past exp's range as the policy drifts"),
     Mistake("ratio_against_old", _ratio_against_old,
             "the ratio is taken against pi_old (`old_logp`): that is the fix, not the report; "
             "report 001 computes `exp(log_prob_current - log_prob_ref)`, against the "

@@ -161,6 +161,18 @@ def check_should_skip(fn: Callable) -> CheckResult:
          same(100.0, [1.0, 1.0], 20.0, "grad_norm 100 with 2 recent norms",
               f"with fewer than {SPIKE_MIN_HISTORY} recent norms there is no baseline: keep "
               "any finite norm")),
+        ("an even number of recent norms: the median is the mean of the middle two",
+         same(65.0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 20.0, "grad_norm 65, recent 1..6",
+              "the median of 1..6 is 3.5 (statistics.median, the mean of the two middle "
+              "values), so the threshold is 70 and 65 is kept; torch.median, or "
+              "sorted(recent)[len // 2], takes one of the middle values instead")),
+        ("the median of every recent norm, not of the last few",
+         same(25.0, [10.0] * 5 + [1.0] * 5, 20.0, "grad_norm 25, recent five 10s then five 1s",
+              "the median of all ten recent norms is 5.5 (threshold 110): take the median of "
+              "the whole window `recent` holds, not of its last values")),
+        ("a norm exactly factor x the median is kept",
+         same(20.0, [1.0] * 6, 20.0, "grad_norm 20, median 1, factor 20",
+              "a spike is a norm *above* factor x the median: use >, not >=")),
     ])
 
 
@@ -181,10 +193,25 @@ def _ratio_clamped(logp, old_logp, ref_logp, advantages, weights, cfg):
     return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
 
 
+def _clamped_per_token(logp, old_logp, ref_logp, advantages, weights, cfg):
+    # each token's log-ratio clamped, then summed: the sum can still reach T x c
+    m = (weights > 0).float()
+    c = cfg.log_ratio_clamp
+    log_ratio = ((logp - ref_logp).clamp(-c, c) * m).sum(-1, keepdim=True)
+    adv = advantages.detach().unsqueeze(-1)
+    per_token = -torch.min(torch.exp(log_ratio) * adv, cfg.epsilon_low * adv)
+    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
+
+
 CLAMPED_REPORTED_LOSS_MISTAKES = (
     Mistake("no_clamp", _no_clamp,
-            "nothing is clamped: clamp the summed log-ratio to [-cfg.log_ratio_clamp, "
-            "cfg.log_ratio_clamp] before `exp`"),
+            "nothing is clamped, or only a side this batch does not reach: clamp the summed "
+            "log-ratio to [-cfg.log_ratio_clamp, cfg.log_ratio_clamp], both sides, before "
+            "`exp`"),
+    Mistake("clamped_per_token", _clamped_per_token,
+            "each token's log-ratio is clamped before the sum, so a completion's sum can "
+            "still reach its length x the clamp: clamp the summed log-ratio, one per "
+            "completion, the number `exp` takes"),
     Mistake("ratio_clamped", _ratio_clamped,
             "the ratio is clamped after `exp`: exp() has already overflowed to inf by then "
             "(and inf x 0 is NaN); clamp the log-ratio, then exp"),
@@ -198,6 +225,8 @@ def check_clamped_reported_loss(fn: Callable) -> CheckResult:
         ("clamp 1.0, another batch", dict(seed=1, log_ratio_clamp=1.0)),
         ("a reference 30 nats per token away: summed log-ratios past exp's overflow (88.7)",
          dict(seed=2, log_ratio_clamp=10.0, drift=30.0)),
+        ("log_ratio_clamp None: no clamp (report 001's loss as it was)",
+         dict(seed=1, log_ratio_clamp=None)),
     ], CLAMPED_REPORTED_LOSS_MISTAKES, stats=("kl", "log_ratio/max_abs"))
 
 
@@ -281,6 +310,12 @@ def check_guarded_update(fn: Callable) -> CheckResult:
         def run(f):
             out, want = drive(f, drive_guarded, **params), drive_guarded(ref, **params)
             if isinstance(out.get("update"), torch.Tensor) and same(out, want):
+                if out.get("window") != want["window"]:
+                    raise Mismatch(f"{what}: run.recent_grad_norms is no longer a window of "
+                                   f"the last {want['window']} norms (maxlen "
+                                   f"{out.get('window')}): append to the deque the run holds, "
+                                   "run.recent_grad_norms.append(norm); a new deque or list "
+                                   "keeps every norm, and the median then covers the whole run")
                 if want["out"][1] == 1 and not out["cleared"]:
                     raise Mismatch(f"{what}: the skipped update left its gradients in .grad: "
                                    "clear them (run.optimizer.zero_grad()) when you skip, or "

@@ -3,6 +3,8 @@ data in `EXERCISES`."""
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -22,7 +24,7 @@ from .base import (
     run_check,
     same,
 )
-from .fixtures import drive, fixture_run, flat_params, reuses_known_results
+from .fixtures import drive, fixture_run, flat_params, reuses_known_results, tiny_model
 
 
 def check_nonfinite_params(fn: Callable) -> CheckResult:
@@ -42,6 +44,10 @@ def check_nonfinite_params(fn: Callable) -> CheckResult:
             want = nonfinite_params(model)
             if isinstance(got, bool):
                 raise Mismatch(f"{what}: return the number of NaN/inf entries, not a bool")
+            if not isinstance(got, int):
+                raise Mismatch(f"{what}: return a Python int (you returned "
+                               f"{type(got).__name__}; `.item()` or int()): the trainer writes "
+                               "the count into its metrics, which are JSON")
             n_nan = sum(1 for v in values.values() if v != v)
             if got == n_nan != want:
                 raise Mismatch(f"{what}: you counted NaN but not inf (use torch.isfinite)")
@@ -58,8 +64,22 @@ def check_nonfinite_params(fn: Callable) -> CheckResult:
                            "entries, not the tensors that hold one")
         expect(got, nonfinite_params(model), "two NaN entries in one weight: the count")
 
+    def tied(f):
+        # GPT-2 ties its output layer to its token embedding: one tensor under two names in
+        # state_dict(), once in parameters()
+        model = copy.deepcopy(tiny_model()[0])
+        with torch.no_grad():
+            model.get_input_embeddings().weight.view(-1)[0] = float("nan")
+        got, want = f(model), nonfinite_params(model)
+        if got == 2 * want:
+            raise Mismatch("one NaN in GPT-2's token embedding counted twice: the output layer "
+                           "is the same tensor (tied weights), listed twice by state_dict(); "
+                           "count model.parameters(), which lists each tensor once")
+        expect(got, want, "one NaN in a tied weight: the count")
+
     inf, nan = float("inf"), float("nan")
     return run_check("nonfinite_params", fn, nonfinite_params, [
+        ("one NaN in GPT-2's tied embedding (one tensor, two names)", tied),
         ("a healthy model", case({}, "a healthy model")),
         ("one NaN weight", case({"0.weight": nan}, "one NaN")),
         ("NaN and inf in different layers",
@@ -124,7 +144,8 @@ def drive_health_check(fn, seed: int = 0, fault: str = "nan-params", at: int = 3
         run.step_count += 1  # what the step does after update_fn returns
     _fresh_gradients(run, g)
     steps.apply_update(run)  # the optimizer state the check left behind acts here
-    return {"params": flat_params(run.policy), "returns": returns, "step_count": run.step_count}
+    return {"params": flat_params(run.policy), "returns": returns, "step_count": run.step_count,
+            "snapshot_step": getattr(getattr(run, "snapshot", None), "step", None)}
 
 
 @reuses_known_results
@@ -132,18 +153,26 @@ def drive_healthy_update(fn, seed: int = 0, fault: str = "nan-params", at: int =
                          n_steps: int = 4, snapshot_every: int = 1) -> dict:
     """The fake steps of drive_health_check with `fn(run, update_fn=...)` as the update:
     the update_fn it gets is steps.apply_update with the fault put in at step `at` (a NaN
-    gradient entry before it, or a NaN / inf weight after it). run.rolled_back is reset
-    before each call and read after it."""
-    _check_fault(fault)
+    gradient entry before it, or a NaN / inf weight after it; 'skip-then-nan': the update
+    of step `at` is skipped, as guarded_update skips one, and the next writes a NaN weight).
+    run.rolled_back is reset before each call and read after it."""
+    if fault != "skip-then-nan":
+        _check_fault(fault)
     run = _health_run(seed, snapshot_every)
     g = gen(3000 + seed)
 
     def update(r):
+        if fault == "skip-then-nan" and r.step_count == at - 1:
+            norm = torch.nn.utils.clip_grad_norm_(list(r.policy.parameters()), math.inf).item()
+            r.optimizer.zero_grad(set_to_none=True)
+            return norm, 1
         if fault == "nan-grads" and r.step_count == at - 1:
             next(r.policy.parameters()).grad.view(-1)[0] = float("nan")
         out = steps.apply_update(r)
         if fault in PARAM_FAULTS and r.step_count == at - 1:
             _poison(r, fault)
+        if fault == "skip-then-nan" and r.step_count == at:
+            _poison(r, "nan-params")
         return out
 
     outs, flags = [], []
@@ -238,6 +267,11 @@ def check_health_check(fn: Callable) -> CheckResult:
             compare_all(vector(out), vector(want), "the parameters after the steps (and what "
                          "your check returned)", HEALTH_CHECK_MISTAKES,
                         lambda m: vector(drive_health_check(m, **params)), returns)
+            if out.get("snapshot_step") != want["snapshot_step"]:
+                raise Mismatch(f"run.snapshot.step is {out.get('snapshot_step')}, expected "
+                               f"{want['snapshot_step']}: label a snapshot with the step it "
+                               "keeps, the one this check finishes, run.step_count + 1 (the "
+                               "step counts itself after update_fn returns)")
             if out.get("step_count") != want["step_count"]:
                 raise Mismatch(f"run.step_count is {out.get('step_count')}, expected "
                                f"{want['step_count']}: a rollback restores the weights and the "
@@ -364,6 +398,9 @@ def check_healthy_update(fn: Callable) -> CheckResult:
          case(seed=0, fault="nan-params", at=3, n_steps=4, snapshot_every=1)),
         ("a NaN gradient entry at step 2 of 3, a snapshot every 2 steps",
          case(seed=1, fault="nan-grads", at=2, n_steps=3, snapshot_every=2)),
+        ("step 2's update skipped, then a NaN weight at step 3, a snapshot every 2 steps: the "
+         "health check runs on every call, skipped or not, so step 2's snapshot is taken",
+         case(seed=2, fault="skip-then-nan", at=2, n_steps=4, snapshot_every=2)),
     ])
 
 
