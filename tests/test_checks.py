@@ -598,6 +598,43 @@ def _sampler_stopping_at_the_first_eos(model, ids, mask, n, temperature, eos, pa
     return out[:, :first + 1]
 
 
+def _region_with_zero_advantages(logp, old_logp, advantages, epsilon_low=0.2,
+                                 epsilon_high=0.2, log_ratio_clamp=None):
+    loss, _ = objective.clipped_surrogate(logp, old_logp, advantages, epsilon_low,
+                                          epsilon_high, log_ratio_clamp)
+    r, a = (logp - old_logp).exp(), advantages[:, None]
+    return loss, ((r < 1 - epsilon_low) & (a <= 0)) | ((r > 1 + epsilon_high) & (a >= 0))
+
+
+def _skip_with_torch_median(grad_norm, recent, factor):
+    if not math.isfinite(grad_norm):
+        return True
+    if factor is None or len(recent) < 5:
+        return False
+    return grad_norm > factor * torch.tensor(list(recent)).median().item()
+
+
+def _count_in_state_dict(model):
+    return int(sum((~torch.isfinite(v)).sum() for v in model.state_dict().values()
+                   if v.is_floating_point()))
+
+
+def _guarded_with_a_new_window(run):
+    from collections import deque
+
+    saved = run.recent_grad_norms
+    run.recent_grad_norms = deque(saved)  # the same norms, no maxlen
+    return steps.guarded_update(run)
+
+
+def _healthy_unless_skipped(run, update_fn=steps.apply_update):
+    from grpo_lab.course import hardening
+
+    grad_norm, skipped = update_fn(run)
+    run.rolled_back = 0 if skipped else hardening.health_check(run)
+    return grad_norm, skipped
+
+
 def _accumulated_with(metric):
     """hardening.accumulated_grpo_step whose metrics[key] is `metric` of its parts' (loss,
     kl) pairs."""
@@ -639,6 +676,14 @@ def _accumulated_with(metric):
      "your groups are groups of every B/G-th reward"),
     (nb01.check_sample_tokens, _sampler_stopping_at_the_first_eos,
      "not until one is (`done.any()`)"),
+    (nb03.check_clipped_surrogate, _region_with_zero_advantages,
+     "region_clipped marks tokens whose advantage is 0"),
+    (nb06.check_should_skip, _skip_with_torch_median, "the median of 1..6 is 3.5"),
+    (nb07.check_nonfinite_params, _count_in_state_dict, "counted twice"),
+    (nb06.check_guarded_update, _guarded_with_a_new_window,
+     "is no longer a window of the last 20 norms"),
+    (nb07.check_healthy_update, _healthy_unless_skipped,
+     "step 2's update skipped, then a NaN weight at step 3"),
     (nb09.check_adaptive_beta, _beta_by_difference, "the error is a proportion"),
     (nb09.check_adaptive_beta, _beta_horizon_inverted, "yours multiplies by horizon / n_steps"),
     (nb10.check_safe_sample, _safe_sample_at_one, "your draws are sample_group's at "
