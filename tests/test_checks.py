@@ -577,7 +577,11 @@ def _sanitize_refusing_nan_rows_only(logits):
 
 
 def _filter_with_a_std_tolerance(rewards, group_size):
-    return (rewards.view(-1, group_size).std(1) > 1e-6).repeat_interleave(group_size)
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns of the std of a group of one (G = 1)
+        warnings.simplefilter("ignore", UserWarning)
+        return (rewards.view(-1, group_size).std(1) > 1e-6).repeat_interleave(group_size)
 
 
 def _logprobs_cast_after(logits, token_ids):
