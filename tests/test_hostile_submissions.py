@@ -91,6 +91,9 @@ CASES = [
      "def kl_k3(logp, ref_logp):\n    print('x' * 10_000_000)\n", "failed", "output limit"),
     ("sabotage", "allocates 8 GB", "clipped_surrogate",
      SIG_CS + "    return torch.ones(2_000_000_000).sum()\n", "failed", "your function"),
+    ("sabotage", "returns 2.5 million Python objects (the grader parsed them in its memory)",
+     "kl_k3", "def kl_k3(logp, ref_logp):\n    e = []\n    return [e] * 2_500_000\n",
+     "failed", "of Python values"),
     ("sabotage", "raises SystemExit", "token_weights",
      "def token_weights(*a):\n    raise SystemExit(0)\n", "failed", "raised SystemExit"),
     # --- crashes -----------------------------------------------------------------------

@@ -58,6 +58,9 @@ class Limits:
     memory_mb: int = 4096  # RLIMIT_AS of the worker
     output_bytes: int = 1 << 20  # stdout + stderr kept (RLIMIT_FSIZE: the worker dies past it)
     reply_bytes: int = 64 << 20  # one reply of the worker
+    # of which its values other than tensors (numbers, strings, lists): parsed in the
+    # grader's memory at tens of bytes per item, where a tensor costs its data alone
+    reply_values_bytes: int = 4 << 20
     processes: int = 64  # RLIMIT_NPROC above the user's count (not enforced for root)
 
 
@@ -437,8 +440,12 @@ class Worker:
             self._die(f"did not finish within {which} {limit:.0f} s limit (an endless loop?)")
         except BrokenPipeError:
             self._die(self._death())
+        (n,) = struct.unpack("<Q", frame[:8])
+        if n > self.limits.reply_values_bytes:
+            self._die(f"its answer held {n >> 20} MiB of Python values (lists, numbers, "
+                      f"strings), more than the {self.limits.reply_values_bytes >> 20} MiB "
+                      "the grader reads: return tensors for large results")
         try:
-            (n,) = struct.unpack("<Q", frame[:8])
             head = json.loads(frame[8:8 + n].decode())
             tensors = torch.load(io.BytesIO(frame[8 + n:]), weights_only=True)
             if not isinstance(head, dict) or not isinstance(tensors, list) or not all(
