@@ -233,3 +233,23 @@ def test_diagnose_checks_the_form_in_the_learners_terms(capsys):
         d.diagnose("A", cause="healthy", fix="none", evidence="looks fine")
     with pytest.raises(ValueError, match="run must be one of A, B"):
         d.diagnose("Z", cause="healthy", fix="none", evidence="x " * 8)
+
+
+def test_evidence_cites_this_runs_numbers_or_log_not_any_number():
+    """With the run's data the evidence point needs a number the run shows (two significant
+    digits or more, within 2% or the rounding written) or four words of its log: a learner's
+    probe got every point with made-up numbers, the docs' example copied to every run, and
+    metric names repeated."""
+    runs = d.load_runs()
+    j, f, a = (d.citable(runs[name]) for name in ("J", "F", "A"))
+    assert d.cites_the_run("kl is 0.0035 at step 1, before any update should happen", j)
+    assert not d.cites_the_run("kl is 0.0035 at step 1, before any update should happen", a)
+    assert d.cites_the_run("kl is 3.44 by step 10 and 5.8 at the end of the run", f)
+    assert not d.cites_the_run("kl jumps to about 5 within two steps and stays up", f)
+    assert not d.cites_the_run("grad_norm is 12345.6 at step 999 which is far above normal", f)
+    assert not d.cites_the_run("reward reward reward reward reward reward reward reward", f)
+    assert not d.cites_the_run("the kl and the loss look wrong in this run compared", a)
+    log_words = " ".join(runs["G"].log.split()[-6:])
+    assert d.cites_the_run(f"the log ends with {log_words} before training", d.citable(runs["G"]))
+    # without the runs (a key with no runs beside it) the form is all that is checked
+    assert d.cites_the_run("the kl and the loss look wrong in this run compared", None)

@@ -324,3 +324,25 @@ def test_feedback_files_and_gradebook_cells_of_odd_student_names(tmp_path, solut
                      "# Feedback for =HYPERLINK(1)"}
     rows = (tmp_path / "g.csv").read_text().splitlines()
     assert any(r.startswith("'=HYPERLINK(1)") or r.startswith('"\'=HYPERLINK(1)') for r in rows), rows
+
+
+def test_whatever_breaks_one_submission_the_others_are_graded(tmp_path, solutions, monkeypatch,
+                                                               capsys):
+    """A worker reply forged into a shape the grader does not read once crashed the whole
+    run (an AttributeError in the grader), leaving the next students ungraded and the
+    journal empty; now that submission is 'not graded' with the reason."""
+    real = grade._grade_submission
+
+    def breaks_on_a(path, *args, **kwargs):
+        if path.parent.name == "a":
+            raise AttributeError("'int' object has no attribute 'get'")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(grade, "_grade_submission", breaks_on_a)
+    bad = notebook(tmp_path / "a" / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+    fine = notebook(tmp_path / "z" / "sub.ipynb", SETUP, GOOD, GOOD_KL)
+    rows = run(tmp_path, [bad, fine])
+    assert [(r["student"], r["status"], r["points"]) for r in rows] == [
+        ("a", "not graded", 0), ("a", "not graded", 0), ("z", "passed", 1), ("z", "passed", 1)]
+    assert "could not grade this submission (AttributeError" in rows[0]["reason"]
+    assert "[grade]" in capsys.readouterr().err

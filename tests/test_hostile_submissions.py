@@ -68,7 +68,7 @@ CASES = [
      "_thr = _imp('threading')\n"
      "def kl_k3(logp, ref_logp):\n    box = []\n"
      "    t = _thr.Thread(target=lambda: box.append(_ref(logp, ref_logp)))\n"
-     "    t.start()\n    t.join()\n    return box[0]\n", "flagged", "calls the reference"),
+     "    t.start()\n    t.join()\n    return box[0]\n", "flagged", "uses `attrgetter`"),
     ("cheat", "switches the grader's call monitor off, then calls the reference",
      "clipped_surrogate",
      "g = getattr\n_h = lambda: 0\n_b = g(_h, '__glo' + 'bals__')['__buil' + 'tins__']\n"
@@ -77,7 +77,13 @@ CASES = [
      "_ref = g(_imp('grpo_lab.objective', fromlist=['x']), 'clipped' + '_surrogate')\n"
      + SIG_CS + "    g(_sys, 'setpro' + 'file')(None)\n"
      "    return _ref(logp, old_logp, advantages, epsilon_low, epsilon_high, log_ratio_clamp)\n",
-     "flagged", "switched the grader's call monitor off"),
+     "flagged", "takes getattr under another name"),
+    ("cheat", "calls the engine's own step through an allowed object", "token_weights",
+     "import grpo_lab.step as engine\ndef token_weights(*a):\n    return engine.token_weights(*a)\n",
+     "flagged", "which this exercise does not list"),
+    ("cheat", "disarms the grader's call monitor it found through torch.sys", "kl_k3",
+     "import torch\ndef kl_k3(logp, ref_logp):\n    torch.sys.getprofile().forbidden = ()\n"
+     "    r = ref_logp - logp\n    return r.exp() - r - 1\n", "flagged", "uses `getprofile`"),
     # --- sabotage ----------------------------------------------------------------------
     ("sabotage", "changes its input in place", "kl_k3",
      "def kl_k3(logp, ref_logp):\n    ref_logp -= logp\n"

@@ -69,6 +69,43 @@ def test_a_call_of_the_reference_is_caught_at_run_time(pkg):
             sandbox.RemoteFunction(w, "f")(torch.zeros(2), torch.zeros(2))
 
 
+REACH_K3 = "import importlib\nk3 = importlib.import_module('grpo_lab.objective').kl_k3\n"
+
+
+@pytest.mark.parametrize("body, caught", [
+    ("    import threading\n    box = []\n"
+     "    t = threading.Thread(target=lambda: box.append(k3(logp, ref_logp)))\n"
+     "    t.start()\n    t.join()\n    return box[0]\n", "grpo_lab.objective.kl_k3"),
+    ("    jobs.put((logp, ref_logp))\n    return done.get()\n", "grpo_lab.objective.kl_k3"),
+    ("    import sys\n    sys.setprofile(None)\n    return k3(logp, ref_logp)\n",
+     "switched the grader's call monitor off"),
+    ("    import sys\n    sys.getprofile().forbidden = ()\n    return k3(logp, ref_logp)\n",
+     "switched the grader's call monitor off or changed it"),
+], ids=["a thread it starts", "a thread the cell started", "the monitor switched off",
+        "the monitor disarmed"])
+def test_the_reference_is_caught_by_any_road_the_static_check_missed(pkg, body, caught):
+    """Past the static check (these cells would be flagged by it before they ran), the
+    tripwire still sees the reference: in threads, started by the call or by the cell, and
+    a call that switches the monitor off or changes it is reported."""
+    background = ("import queue, threading\njobs, done = queue.Queue(), queue.Queue()\n"
+                  "threading.Thread(target=lambda: [done.put(k3(*jobs.get())) for _ in "
+                  "range(9)], daemon=True).start()\n")
+    src = REACH_K3 + background + "def f(logp, ref_logp):\n" + body
+    with sandbox.Worker(pkg, LIMITS) as w:
+        define(w, src, tripwires=[("grpo_lab/objective.py", "kl_k3")])
+        with pytest.raises(sandbox.ReferenceCalled, match=caught):
+            sandbox.RemoteFunction(w, "f")(torch.zeros(2), torch.zeros(2))
+
+
+def test_a_forged_reply_is_a_reason_not_a_grader_crash(pkg):
+    """Code in the worker can patch what writes its replies; a reply in a shape the worker
+    never sends ends that submission with a reason."""
+    forge = "import sys\nsys.modules['json'].dumps = lambda *a, **k: '{\"error\": 1}'\n"
+    with sandbox.Worker(pkg, LIMITS) as w:
+        with pytest.raises(sandbox.SandboxError, match="malformed"):
+            define(w, forge + "def f(x):\n    return x\n")
+
+
 @pytest.mark.parametrize("target", ["grpo_lab/course/exercises/nb03.py", "solutions/x.ipynb",
                                     "NEW"])
 def test_writes_outside_the_sandbox_are_refused(pkg, target):

@@ -213,7 +213,7 @@ class Tripwire:
                     self.hit = f"{suffix[:-3].replace('/', '.')}.{name}"
 
 
-TAMPERED = "!switched the grader's call monitor off during the call (sys.setprofile)"
+TAMPERED = "!switched the grader's call monitor off or changed it during the call"
 _monitor: Tripwire | None = None  # the call in progress: threads it starts are watched too
 
 
@@ -249,12 +249,12 @@ def _watched_call(trip: Tripwire, function, *args, **kwargs):
     """function(*args, **kwargs) under `trip`, in this thread and the threads it starts; a
     call that removes the hook is itself flagged (TAMPERED)."""
     global _monitor
-    _monitor = trip
+    _monitor, watched = trip, trip.forbidden
     sys.setprofile(trip)
     try:
         return function(*args, **kwargs)
     finally:
-        if sys.getprofile() is not trip and trip.hit is None:
+        if (sys.getprofile() is not trip or trip.forbidden is not watched) and trip.hit is None:
             trip.hit = TAMPERED
         sys.setprofile(None)
         _monitor = None
@@ -289,7 +289,7 @@ def main(fd_in: int, fd_out: int) -> None:
                                              "message": f"the cell does not define {name}()",
                                              "where": ""}})
                     continue
-                functions[name], forbidden[name] = fn, [tuple(b) for b in banned]
+                functions[name], forbidden[name] = fn, tuple(tuple(b) for b in banned)
                 reply(fd_out, {"ok": True})
             elif kind == "call":
                 _, name, args, kwargs = request

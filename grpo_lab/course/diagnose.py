@@ -10,7 +10,8 @@ notebook nor this module holds it: the instructor keeps it, and the grader reads
 
 `diagnose("C", cause=..., fix=..., evidence=...)` records a learner's answer; the grader
 scores it against the key (score_run): the cause 1 point, the fix 1 point, the evidence 1
-point when the cause is right and the sentence cites the run (a metric or a step).
+point when the cause is right and the sentence cites the run (cites_the_run: one of its
+numbers, or words of its log).
 """
 
 from __future__ import annotations
@@ -378,24 +379,86 @@ def diagnose(run, cause=None, fix=None, evidence=None) -> Diagnosis | None:
     return Diagnosis(run, cause, fix, evidence)
 
 
-def cites_the_run(evidence: str) -> bool:
-    """The sentence names something in a run: a metric's name, a step or a log word."""
+def citable(run: Run) -> dict:
+    """What a sentence can cite of `run`: the values of each of its metrics (every step; of
+    the step column only the last, where the run stopped before its planned steps: a
+    crash), by the metric's name and its short name, and the words of its log."""
+    by_metric: dict[str, set] = {}
+    for m in run.metrics:
+        for k, v in m.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                    math.isfinite(v):
+                for name in {k, k.split("/")[-1]}:
+                    by_metric.setdefault(name, set()).add(abs(float(v)))
+    numbers = set().union(*by_metric.values()) if by_metric else set()
+    steps = [m["step"] for m in run.metrics if isinstance(m.get("step"), int)]
+    if steps and max(steps) < run.config.get("steps", max(steps)):
+        numbers.add(float(max(steps)))
+    return {"numbers": sorted(numbers), "log": " ".join(_words(run.log)),
+            "by_metric": {k: sorted(v) for k, v in by_metric.items()}}
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9_./]+[a-z0-9_]|[a-z0-9]", text.lower())
+
+
+CITED_WORDS = 4  # consecutive words of the run's log that count as quoting it
+LINKING = {"is", "was", "of", "at", "to", "reaches", "reached", "near", "about", "around"}
+
+
+def _shows(token: str, values) -> bool:
+    """The number written as `token` is one of `values`: within 2%, or within the rounding
+    of the digits written; a number of fewer than two significant digits says too little."""
+    mantissa = token.split("e")[0]
+    if len(mantissa.replace(".", "").lstrip("0")) < 2:
+        return False  # 1, 0.5, 0.02: too common to say which run
+    x = float(token)
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    half_unit = 0.5 * 10.0 ** -decimals if "e" not in token else 0.0
+    return any(abs(x - v) <= max(0.02 * v, half_unit) for v in values)
+
+
+def cites_the_run(evidence: str, run: dict | None = None) -> bool:
+    """The sentence cites the run. With the run's data (`citable(run)`): it holds a number of
+    two significant digits or more that the run shows (the named metric's value where a
+    metric is named just before it, "kl is 0.0035", else any of its metrics'), or quotes CITED_WORDS
+    consecutive words of its log; a made-up number, another run's value, or a step every
+    run has does not count. Without it: it names a metric, a step or a log word."""
     words = evidence.lower()
-    names = {c.split("/")[-1] for c in COLUMNS} | {"accuracy", "nan", "crash", "error",
-                                                  "indexerror", "ratio", "gradient", "norm"}
-    return bool(re.search(r"\bstep\b|\d", words)) or any(n in words for n in names)
+    if run is None:
+        names = {c.split("/")[-1] for c in COLUMNS} | {"accuracy", "nan", "crash", "error",
+                                                      "indexerror", "ratio", "gradient", "norm"}
+        return bool(re.search(r"\bstep\b|\d", words)) or any(n in words for n in names)
+    said = _words(evidence)
+    by_metric = run.get("by_metric", {})
+    for i, token in enumerate(said):
+        if not re.fullmatch(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?", token):
+            continue
+        # "kl is 0.0035", "kl 0.0035": the number is that metric's; elsewhere any metric's
+        before = said[max(0, i - 2):i]
+        named = next((w for j, w in enumerate(before) if w in by_metric
+                      and all(x in LINKING for x in before[j + 1:])), None)
+        if _shows(token, by_metric[named] if named else run["numbers"]):
+            return True
+    log = f" {run['log']} "
+    return any(f" {' '.join(said[i:i + CITED_WORDS])} " in log
+               for i in range(len(said) - CITED_WORDS + 1))
 
 
 def score_run(answer: dict, truth: dict) -> tuple[int, str]:
-    """(points of 3, why) for one run's answer {cause, fix, evidence} against its key entry."""
+    """(points of 3, why) for one run's answer {cause, fix, evidence} against its key entry
+    (with the run's `citable` data under "citable" where the grader has the runs)."""
     points, why = 0, []
     if answer.get("cause") == truth["cause"]:
         points += 1
         why.append("cause right")
-        if isinstance(answer.get("evidence"), str) and len(answer["evidence"].split()) >= \
-                EVIDENCE_WORDS and cites_the_run(answer["evidence"]):
+        evidence = answer.get("evidence")
+        if isinstance(evidence, str) and len(evidence.split()) >= EVIDENCE_WORDS and \
+                cites_the_run(evidence, truth.get("citable")):
             points += 1
             why.append("evidence cites the run")
+        elif truth.get("citable") is not None:
+            why.append("evidence cites none of this run's numbers or log lines")
     else:
         why.append("cause wrong")
     if answer.get("fix") == truth["fix"]:

@@ -194,6 +194,26 @@ def student_name(path: Path, all_paths: list[Path]) -> str:
 def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
                      limits: sandbox.Limits, raw: bytes | None = None,
                      mystery_key: dict | None = None) -> list[Record]:
+    """The records of one submission. Whatever happens while grading it (a worker's answer
+    forged into a shape the grader does not expect, a bug of the grader's) ends this
+    submission with the reason, never the class's run."""
+    try:
+        return _grade_submission(path, student, manifest, pkg_root, limits, raw, mystery_key)
+    except Exception as e:  # noqa: BLE001 - one submission must not stop the others
+        print(f"[grade] {path}: not graded, {type(e).__name__}: {e}", file=sys.stderr)
+        spec = manifest["notebooks"].get(path.name)
+        why = clean_reason(f"the grader could not grade this submission ({type(e).__name__}: "
+                           f"{str(e)[:200]}); the others were graded")
+        items = [(x["function"], x["points"]) for x in spec["exercises"]] + [
+            (f"diagnose {d['run']}", d["points"]) for d in spec.get("diagnoses", [])] \
+            if spec else [("(none)", 0)]
+        return [Record(str(path), student, item, 0, pts, "not graded", why)
+                for item, pts in items]
+
+
+def _grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
+                      limits: sandbox.Limits, raw: bytes | None = None,
+                      mystery_key: dict | None = None) -> list[Record]:
     def one(exercise: str, points: int, max_points: int, status: str, reason: str) -> Record:
         return Record(str(path), student, exercise, points, max_points, status,
                       clean_reason(reason))
@@ -281,11 +301,24 @@ def load_mystery_key(path: str | None) -> dict | None:
             raise ValueError(f"{path}: not a mystery key (expected {{'runs': {{name: "
                              "{'cause': ..., 'fix': ...}}}}, as `python -m grpo_lab mystery` "
                              "writes it)")
-        return runs
+        return with_citable(runs, Path(path).parent / "runs")  # mystery --out DIR writes both
     # the checkout this package runs from, never the current directory (which a class's
     # unpacked submissions could hold a solutions/ of their own in)
     solution = Path(__file__).resolve().parents[2] / "solutions" / COURSE_KEY_NOTEBOOK
-    return diagnosis_key(solution) if solution.exists() else None
+    if not solution.exists():
+        return None
+    return with_citable(diagnosis_key(solution), diagnose.SHIPPED_RUNS)
+
+
+def with_citable(key: dict, runs_folder: Path) -> dict:
+    """The key with each run's citable data (diagnose.citable), where the runs are in
+    `runs_folder`; without them evidence is checked for its form only."""
+    try:
+        runs = diagnose.load_runs(runs_folder)
+    except FileNotFoundError:
+        return key
+    return {name: {**truth, **({"citable": diagnose.citable(runs[name])} if name in runs
+                              else {})} for name, truth in key.items()}
 
 
 def _grade_prediction(cells: list[Cell], pred: dict, one) -> Record:

@@ -67,8 +67,7 @@ def violations(source: str, function: str, forbidden: set[str], may_import: set[
                 flag(node, f"reaches the reference `{node.attr}` as an attribute")
             elif node.attr.startswith("__") and node.attr not in SAFE_DUNDERS:
                 flag(node, f"uses the introspection attribute `{node.attr}`")
-            elif node.attr in ("setprofile", "settrace", "modules", "f_globals", "f_back",
-                               "gi_frame", "cr_frame", "tb_frame"):
+            elif node.attr in WATCHED_ATTRIBUTES:
                 flag(node, f"uses `{node.attr}`")
         elif isinstance(node, ast.Name):
             if node.id in forbidden and node.id != function:
@@ -77,6 +76,9 @@ def violations(source: str, function: str, forbidden: set[str], may_import: set[
                 flag(node, f"uses `{node.id}`, which an exercise may not")
             elif node.id == "getattr":
                 pass  # judged at the call below
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and \
+                node.value.id in ("getattr", "hasattr", "setattr"):
+            flag(node, f"takes {node.value.id} under another name")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                 node.func.id in ("getattr", "hasattr"):
             name = node.args[1] if len(node.args) > 1 else None
@@ -85,6 +87,13 @@ def violations(source: str, function: str, forbidden: set[str], may_import: set[
             elif name.value in forbidden or name.value.startswith("__"):
                 flag(node, f"reaches `{name.value}` through {node.func.id}()")
     return sorted(set(out), key=lambda v: (v.line, v.reason))
+
+
+# attributes that reach the grader's monitor, frames, modules or hooks by another road
+WATCHED_ATTRIBUTES = frozenset({
+    "setprofile", "settrace", "getprofile", "gettrace", "_getframe", "modules", "f_globals",
+    "f_back", "gi_frame", "cr_frame", "tb_frame", "attrgetter", "methodcaller", "sys", "hub",
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"})
 
 
 def _check_module(node, module: str, name: str | None, forbidden: set[str],

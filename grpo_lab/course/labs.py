@@ -347,10 +347,24 @@ def exercise_specs(nb) -> list[dict]:
             "tier": _tier(cell, name),
             "idea": _tier_comment(cell.source, "idea", name),
             "hint": _tier_comment(cell.source, "hint", name), "forbidden": forbidden,
-            "tripwires": [[module.replace(".", "/") + ".py", ref_name]],
+            "tripwires": [[module.replace(".", "/") + ".py", ref_name]]
+            + [list(t) for t in ENGINE_TWINS.get(name, ())],
             "setup": setup, "may_use": may_use, "provided": provided,
         })
     return out
+
+
+# The engine's own versions of whole-step exercises, reachable through objects an exercise
+# may use (a Trainer, the Run): calling one is calling the reference, as its tripwire says
+ENGINE_TWINS = {
+    "grpo_step": (("grpo_lab/step.py", "grpo_step"),),
+    "accumulated_grpo_step": (("grpo_lab/step.py", "grpo_step"),
+                              ("grpo_lab/step.py", "accumulate")),
+    "apply_update": (("grpo_lab/step.py", "guarded_update"),),
+    "guarded_update": (("grpo_lab/step.py", "guarded_update"),),
+    "health_check": (("grpo_lab/step.py", "check_health"),),
+    "healthy_update": (("grpo_lab/step.py", "check_health"),),
+}
 
 
 def prediction_specs(nb, where: str = "") -> list[dict]:

@@ -451,6 +451,12 @@ class Worker:
             if not isinstance(head, dict) or not isinstance(tensors, list) or not all(
                     isinstance(t, torch.Tensor) for t in tensors):
                 raise ValueError("not a reply")
+            error, reference = head.get("error"), head.get("reference")
+            if "error" in head and not (isinstance(error, dict) and all(
+                    isinstance(v, str) for v in error.values())):
+                raise ValueError("not a reply")  # the worker's own replies are well formed
+            if reference is not None and not isinstance(reference, str):
+                raise ValueError("not a reply")
             if sum(t.untyped_storage().nbytes() for t in tensors) > self.limits.reply_bytes or \
                     any(t.numel() * t.element_size() > self.limits.reply_bytes for t in tensors):
                 raise ValueError("too large")
