@@ -618,6 +618,14 @@ def _skip_with_torch_median(grad_norm, recent, factor):
     return grad_norm > factor * torch.tensor(list(recent)).median().item()
 
 
+def _skip_with_the_upper_middle(grad_norm, recent, factor):
+    if not math.isfinite(grad_norm):
+        return True
+    if factor is None or len(recent) < 5:
+        return False
+    return grad_norm > factor * sorted(recent)[len(recent) // 2]
+
+
 def _count_in_state_dict(model):
     return int(sum((~torch.isfinite(v)).sum() for v in model.state_dict().values()
                    if v.is_floating_point()))
@@ -683,6 +691,7 @@ def _accumulated_with(metric):
     (nb03.check_clipped_surrogate, _region_with_zero_advantages,
      "region_clipped marks tokens whose advantage is 0"),
     (nb06.check_should_skip, _skip_with_torch_median, "the median of 1..6 is 3.5"),
+    (nb06.check_should_skip, _skip_with_the_upper_middle, "the upper middle value"),
     (nb07.check_nonfinite_params, _count_in_state_dict, "counted twice"),
     (nb06.check_guarded_update, _guarded_with_a_new_window,
      "is no longer a window of the last 20 norms"),

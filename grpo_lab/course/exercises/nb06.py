@@ -166,6 +166,10 @@ def check_should_skip(fn: Callable) -> CheckResult:
               "the median of 1..6 is 3.5 (statistics.median, the mean of the two middle "
               "values), so the threshold is 70 and 65 is kept; torch.median, or "
               "sorted(recent)[len // 2], takes one of the middle values instead")),
+        ("an even number of recent norms, from above: 75 against 20 x 3.5",
+         same(75.0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 20.0, "grad_norm 75, recent 1..6",
+              "the median of 1..6 is 3.5, so 75 is above the threshold of 70 and skipped; "
+              "the upper middle value (4, a threshold of 80) keeps it")),
         ("the median of every recent norm, not of the last few",
          same(25.0, [10.0] * 5 + [1.0] * 5, 20.0, "grad_norm 25, recent five 10s then five 1s",
               "the median of all ten recent norms is 5.5 (threshold 110): take the median of "
