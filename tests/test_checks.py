@@ -610,20 +610,19 @@ def _region_with_zero_advantages(logp, old_logp, advantages, epsilon_low=0.2,
     return loss, ((r < 1 - epsilon_low) & (a <= 0)) | ((r > 1 + epsilon_high) & (a >= 0))
 
 
-def _skip_with_torch_median(grad_norm, recent, factor):
-    if not math.isfinite(grad_norm):
-        return True
-    if factor is None or len(recent) < 5:
-        return False
-    return grad_norm > factor * torch.tensor(list(recent)).median().item()
+def _skip_with_a_median_of(median):
+    """should_skip with `median` (a function of the recent norms) for statistics.median."""
+    def should_skip(grad_norm, recent, factor):
+        if not math.isfinite(grad_norm):
+            return True
+        if factor is None or len(recent) < 5:
+            return False
+        return grad_norm > factor * median(list(recent))
+    return should_skip
 
 
-def _skip_with_the_upper_middle(grad_norm, recent, factor):
-    if not math.isfinite(grad_norm):
-        return True
-    if factor is None or len(recent) < 5:
-        return False
-    return grad_norm > factor * sorted(recent)[len(recent) // 2]
+_skip_with_torch_median = _skip_with_a_median_of(lambda xs: torch.tensor(xs).median().item())
+_skip_with_the_upper_middle = _skip_with_a_median_of(lambda xs: sorted(xs)[len(xs) // 2])
 
 
 def _count_in_state_dict(model):

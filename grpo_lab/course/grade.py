@@ -70,6 +70,8 @@ def clean_reason(text: str) -> str:
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     text = "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
     return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 15] + " ... (cut)"
+
+
 JOURNAL_VERSION = 1
 
 
@@ -201,14 +203,19 @@ def grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
         return _grade_submission(path, student, manifest, pkg_root, limits, raw, mystery_key)
     except Exception as e:  # noqa: BLE001 - one submission must not stop the others
         print(f"[grade] {path}: not graded, {type(e).__name__}: {e}", file=sys.stderr)
-        spec = manifest["notebooks"].get(path.name)
-        why = clean_reason(f"the grader could not grade this submission ({type(e).__name__}: "
-                           f"{str(e)[:200]}); the others were graded")
-        items = [(x["function"], x["points"]) for x in spec["exercises"]] + [
-            (f"diagnose {d['run']}", d["points"]) for d in spec.get("diagnoses", [])] \
-            if spec else [("(none)", 0)]
-        return [Record(str(path), student, item, 0, pts, "not graded", why)
-                for item, pts in items]
+        return refused(path, student, manifest["notebooks"].get(path.name),
+                       f"the grader could not grade this submission ({type(e).__name__}: "
+                       f"{str(e)[:200]}); the others were graded")
+
+
+def refused(path: Path, student: str, spec: dict | None, why: str) -> list[Record]:
+    """0 points and `why` for every item of `spec` (its exercises and diagnoses), or one
+    '(none)' record where the file is no course notebook."""
+    items = [(e["function"], e["points"]) for e in spec["exercises"]] + [
+        (f"diagnose {d['run']}", d["points"]) for d in spec.get("diagnoses", [])] \
+        if spec else [("(none)", 0)]
+    return [Record(str(path), student, item, 0, pts, "not graded", clean_reason(why))
+            for item, pts in items]
 
 
 def _grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
@@ -218,24 +225,17 @@ def _grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
         return Record(str(path), student, exercise, points, max_points, status,
                       clean_reason(reason))
 
-    def refused(spec: dict | None, why: str) -> list[Record]:  # every item of spec: 0, why
-        if not spec:
-            return [one("(none)", 0, 0, "not graded", why)]
-        return [one(e["function"], 0, e["points"], "not graded", why)
-                for e in spec["exercises"]] + [
-            one(f"diagnose {d['run']}", 0, d["points"], "not graded", why)
-            for d in spec.get("diagnoses", [])]
-
     try:
         raw = raw if raw is not None else _read(path)
         cells = read_cells(raw)
     except Exception as e:  # noqa: BLE001 - any unreadable file is graded 0 with why
-        return refused(manifest["notebooks"].get(path.name),
+        return refused(path, student, manifest["notebooks"].get(path.name),
                        f"could not read the notebook: {type(e).__name__}: {str(e)[:160]}")
     named = manifest["notebooks"].get(path.name)
     code = sum(len(c.source) for c in cells)
     if code > MAX_CODE_CHARS:
-        return refused(named, f"its code cells hold {code:,} characters, more than the "
+        return refused(path, student, named,
+                       f"its code cells hold {code:,} characters, more than the "
                        f"{MAX_CODE_CHARS:,} the grader reads (a lab's hold about 50,000)")
     nb_name, note = match_notebook(path.name, cells, manifest)
     if nb_name is None:
@@ -243,9 +243,10 @@ def _grade_submission(path: Path, student: str, manifest: dict, pkg_root: Path,
     if named and (named["exercises"] or named.get("diagnoses")) and nb_name != path.name:
         # named as one course notebook, holding another's lab: graded as what it is named,
         # so a finished easier lab cannot stand in for the assignment
-        return refused(named, f"the file is named {path.name} but holds the lab of "
-                       f"{nb_name} (by its exercises): none of {path.name}'s is in it; "
-                       f"submit your {path.name}")
+        return refused(path, student, named,
+                       f"the file is named {path.name} but holds the lab of {nb_name} (by "
+                       f"its exercises): none of {path.name}'s is in it; submit your "
+                       f"{path.name}")
     spec = manifest["notebooks"][nb_name]
     records: list[Record] = []
     if spec["exercises"]:
@@ -537,8 +538,8 @@ def write_gradebook(records: list[Record], path: Path,
                     *(["hints_opened"] if hints is not None else [])])
         for student, rs in _by_student(records).items():
             pts = {r.exercise: r.points for r in rs}
-            row = [inert(student), *(pts.get(e, 0) for e in exercises), sum(r.points for r in rs),
-                   sum(r.max_points for r in rs) or sum(max_of.values())]
+            row = [inert(student), *(pts.get(e, 0) for e in exercises),
+                   sum(r.points for r in rs), sum(r.max_points for r in rs) or sum(max_of.values())]
             if stretch:
                 row += [sum(pts.get(e, 0) for e in stretch), sum(max_of[e] for e in stretch)]
             if hints is not None:
@@ -568,10 +569,10 @@ def write_feedback(records: list[Record], folder: Path, ideas: dict[str, str],
             if opened is not None:
                 n = opened.get(student, {}).get(r.exercise, 0)
                 lines += [f"Hints opened: {n} of 2", ""]
-        stem, n = _safe(student), 1
+        stem, copy = _safe(student), 1
         while stem.lower() in taken:  # two students whose names make one file name
-            n += 1
-            stem = f"{_safe(student)}-{n}"
+            copy += 1
+            stem = f"{_safe(student)}-{copy}"
         taken.add(stem.lower())
         p = folder / f"{stem}.md"
         p.write_text("\n".join(lines), encoding="utf-8")

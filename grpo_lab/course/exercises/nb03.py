@@ -137,14 +137,14 @@ def check_clipped_surrogate(fn: Callable) -> CheckResult:
                            "old_logp to [-2, 2] before exp (with log r = 30, exp overflows "
                            "the loss)")
         log_r = far - old
-        for wrong, words in (
-                (log_r.exp().clamp(-2.0, 2.0), "you clamped the ratio r itself to [-2, 2]; "
-                 "clamp the log-ratio, then exp: r = exp(clamp(logp - old_logp, -2, 2))"),
-                (log_r.clamp(max=2.0).exp(), "only the upper side is clamped: a log-ratio of "
-                 "-30 is left as it is; clamp both sides, [-c, c]")):
-            r_clip = wrong.clamp(0.8, 1.2)
-            a = adv.unsqueeze(-1)
-            if close(loss, -torch.min(wrong * a, r_clip * a)) and not close(loss, want):
+        for wrong_log_r, words in (  # the reference, fed the log-ratio each mistake leaves
+                (log_r.exp().clamp(-2.0, 2.0).log(), "you clamped the ratio r itself to "
+                 "[-2, 2]; clamp the log-ratio, then exp: r = exp(clamp(logp - old_logp, -2, "
+                 "2))"),
+                (log_r.clamp(max=2.0), "only the upper side is clamped: a log-ratio of -30 is "
+                 "left as it is; clamp both sides, [-c, c]")):
+            if close(loss, ref(old + wrong_log_r, old, adv, 0.2, 0.2)[0]) and \
+                    not close(loss, want):
                 raise Mismatch(words)
         expect(loss, want, "the per-token loss with log_ratio_clamp=2.0 (log r of +-3, +-30)")
 

@@ -280,11 +280,11 @@ def _kl_outside_the_weights(over_tokens: bool):
     """The reference's surrogate, with beta x the mean k3 added after the weighted sum: over
     every (row, token) position, or over the completion tokens."""
     def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
-        per_token, _ = clipped_surrogate(logp, old_logp, advantages.detach(), cfg.epsilon_low,
-                                         cfg.epsilon_high, cfg.log_ratio_clamp)
+        surrogate, _ = with_kl(logp, old_logp, ref_logp, advantages, weights, cfg,
+                               torch.zeros_like(logp))
         k3 = kl_k3(logp, ref_logp)
-        mean_k3 = masked_mean(k3, weights > 0) if over_tokens else k3.mean()
-        return (per_token * weights).sum() + cfg.beta * mean_k3, {}
+        return surrogate + cfg.beta * (masked_mean(k3, weights > 0) if over_tokens
+                                       else k3.mean()), {}
     return loss
 
 

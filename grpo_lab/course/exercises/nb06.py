@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ... import naive
 from ...numerics import sum_error_bound
 from ...objective import (
     kl_k3,
@@ -198,12 +199,12 @@ def _ratio_clamped(logp, old_logp, ref_logp, advantages, weights, cfg):
 
 
 def _clamped_per_token(logp, old_logp, ref_logp, advantages, weights, cfg):
-    # each token's log-ratio clamped, then summed: the sum can still reach T x c
-    m = (weights > 0).float()
+    # each token's log-ratio clamped, then summed (the report's surrogate, unclamped, fed
+    # the clamped log-probs): the sum can still reach T x c
     c = cfg.log_ratio_clamp
-    log_ratio = ((logp - ref_logp).clamp(-c, c) * m).sum(-1, keepdim=True)
-    adv = advantages.detach().unsqueeze(-1)
-    per_token = -torch.min(torch.exp(log_ratio) * adv, cfg.epsilon_low * adv)
+    per_token, _ = naive.reported_surrogate(ref_logp + (logp - ref_logp).clamp(-c, c),
+                                            ref_logp, advantages.detach(), weights > 0,
+                                            cfg.epsilon_low)
     return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
 
 

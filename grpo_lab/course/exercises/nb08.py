@@ -128,8 +128,9 @@ def metric_of_the_parts(key: str, value: float, parts: list[dict]) -> str:
         "(a micro-batch with more tokens counts for more)":
             sum(p[key] for p in parts) / len(parts),
     }
+    tokens = max(1, sum(p["tokens"] for p in parts))
     right = {"loss": sum(p["loss"] for p in parts),
-             "kl": sum(p["kl"] * p["tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts))}
+             "kl": sum(p["kl"] * p["tokens"] for p in parts) / tokens}
     for words, candidate in wrong.items():
         if not close(candidate, right[key]) and close(value, candidate):
             return words

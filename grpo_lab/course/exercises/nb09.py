@@ -369,11 +369,12 @@ def check_adaptive_beta(fn: Callable) -> CheckResult:
                                    "n_steps / horizon), not beta + ...")
                 clip = min(max(raw, -0.2), 0.2)
                 difference = min(max(kl - target, -0.2), 0.2)
-                if difference != clip and math.isclose(got, beta * (1 + difference * n / horizon),
-                                                       rel_tol=1e-6):
+                if difference != clip and math.isclose(
+                        got, beta * (1 + difference * n / horizon), rel_tol=1e-6):
                     raise Mismatch(f"{what}: the error is a proportion, kl / target_kl - 1 = "
                                    f"{raw:.3g}, not the difference kl - target_kl = "
-                                   f"{kl - target:.3g}: how far the KL is from its target, relative to the target")
+                                   f"{kl - target:.3g}: how far the KL is from its target, "
+                                   "relative to the target")
                 if math.isclose(got, beta * (1 + clip * horizon / n), rel_tol=1e-6):
                     raise Mismatch(f"{what}: the step is error * n_steps / horizon (horizon: "
                                    "the steps over which beta may change by the error); yours "
