@@ -52,9 +52,9 @@ MAX_WORKERS = 4
 # what it starts (a notebook kernel or a CLI run: 0.4 GB for a short Trainer run; torchrun: two)
 WORKER_MEMORY_GIB = 2.0
 
-# Seconds each file kept one worker busy: per-file sums from benchmarks/suite_times.py,
-# averaged over two `./course test` runs with 3 workers, one torch thread each, on an idle
-# 2-core machine (inflated by the workers sharing 2 cores; only their order is used: longest
+# Seconds each file kept one worker busy: per-file sums from benchmarks/suite_times.py of
+# a clean-clone `.ci/run` (2026-11-28, d1c1f8c) with 3 workers, one torch thread each, on an
+# idle 2-core machine (inflated by the workers sharing 2 cores; only their order is used: longest
 # first). The two browser files: from a `./course test --browser` run. A file not listed
 # counts as DEFAULT_SECONDS. Refresh when a file's time moves a lot:
 #   ./course test --junitxml=/tmp/run.xml && .venv/bin/python benchmarks/suite_times.py /tmp/run.xml
@@ -62,50 +62,52 @@ WORKER_MEMORY_GIB = 2.0
 # it later (grpo_lab/memo.py); whichever comes first computes, so the order only balances
 # the workers.
 FILE_SECONDS: dict[str, float] = {
-    "tests/browser/test_browser.py": 151,
-    "tests/test_warmstart.py": 12,  # without the rebuild (marker `rebuild`): 107 with it
-    "tests/test_scenarios.py": 96,
-    "tests/browser/test_site.py": 91,
-    "tests/test_cli.py": 86,
-    "tests/test_faults.py": 80,
-    "solutions/06_fix_clamping_and_clipping.ipynb": 68,
-    "tests/test_exercises.py": 95,  # 62 s alone with -n 0 (2026-11-27): x1.5 as the others
-    "tests/test_hardening.py": 45,  # 66 before its mistake tests moved to test_exercises.py
-    "tests/test_distributed.py": 61,
-    "tests/test_steps.py": 40,  # 56 before its mistake tests moved to test_exercises.py
-    "labs/09_fix_the_kl_formula.ipynb": 50,
-    "tests/test_nbgrader.py": 44,
-    "labs/04_the_training_loop.ipynb": 42,
-    "tests/test_grade.py": 42,
-    "solutions/11_capstone.ipynb": 41,
-    "tests/test_trainer.py": 40,
-    "tests/test_diagnose.py": 35,
-    "solutions/04_the_training_loop.ipynb": 39,
-    "solutions/09_fix_the_kl_formula.ipynb": 37,
-    "tests/test_wheel.py": 36,
-    "solutions/08_fix_gradient_accumulation.ipynb": 31,
-    "tests/test_sandbox.py": 31,
-    "labs/12_scale_out_and_trl.ipynb": 29,
-    "labs/06_fix_clamping_and_clipping.ipynb": 29,
-    "labs/07_fix_health_checks_and_recovery.ipynb": 29,
-    "labs/08_fix_gradient_accumulation.ipynb": 29,
-    "solutions/07_fix_health_checks_and_recovery.ipynb": 28,
-    "labs/11_capstone.ipynb": 28,
-    "solutions/05_break_it.ipynb": 26,
-    "labs/05_break_it.ipynb": 23,
+    "solutions/06_fix_clamping_and_clipping.ipynb": 112,
+    "tests/test_scenarios.py": 85,
+    "tests/test_distributed.py": 83,
+    "tests/browser/test_browser.py": 72,
+    "tests/test_exercises.py": 61,
+    "tests/browser/test_site.py": 50,  # one tab for the whole site: 37 CPU-s alone (was 85)
+    "tests/test_faults.py": 49,
+    "tests/test_grade.py": 47,
+    "solutions/11_capstone.ipynb": 44,
+    "labs/04_the_training_loop.ipynb": 42,  # when the browser test is off (it runs it then)
+    "tests/test_nbgrader.py": 39,
+    "solutions/09_fix_the_kl_formula.ipynb": 35,
+    "labs/12_scale_out_and_trl.ipynb": 34,
+    "tests/test_sandbox.py": 32,
+    "solutions/04_the_training_loop.ipynb": 32,
+    "tests/test_trainer.py": 32,
+    "solutions/08_fix_gradient_accumulation.ipynb": 32,
+    "labs/09_fix_the_kl_formula.ipynb": 31,
+    "tests/test_steps.py": 31,
+    "tests/test_wheel.py": 30,
+    "labs/08_fix_gradient_accumulation.ipynb": 30,
+    "tests/test_cli.py": 30,
+    "solutions/07_fix_health_checks_and_recovery.ipynb": 29,
+    "tests/test_hardening.py": 26,
+    "labs/11_capstone.ipynb": 26,
+    "labs/06_fix_clamping_and_clipping.ipynb": 24,
+    "labs/07_fix_health_checks_and_recovery.ipynb": 23,
     "tests/test_warm_kernels.py": 22,
-    "tests/test_warm_cli.py": 20,
-    "tests/test_memory.py": 19,
-    "tests/test_course_setup.py": 15,
-    "tests/test_bench.py": 15,
-    "tests/test_hostile_submissions.py": 12,
-    "tests/test_labs.py": 12,
-    "tests/test_layers.py": 9,
-    "tests/test_suite_setup.py": 9,
+    "solutions/05_break_it.ipynb": 20,
+    "tests/test_memory.py": 17,
+    "tests/test_warm_cli.py": 16,
+    "labs/05_break_it.ipynb": 15,
+    "tests/test_hostile_submissions.py": 15,
+    "tests/test_bench.py": 13,
+    "tests/test_course_setup.py": 13,
+    "tests/test_layers.py": 11,
+    "tests/test_labs.py": 9,
+    "tests/test_suite_setup.py": 8,
+    "tests/test_diagnose.py": 8,
     "tests/test_course_lab.py": 8,
     "tests/test_memo.py": 8,
-    "tests/test_first_pass.py": 8,
     "solutions/10_fix_safe_sampling.ipynb": 6,
+    "solutions/13_diagnose_the_run.ipynb": 6,
+    "tests/test_first_pass.py": 6,
+    "tests/test_warmstart.py": 6,  # without the rebuild (marker `rebuild`): 107 with it
+    "labs/00_setup_and_diagnostics.ipynb": 6,
 }
 DEFAULT_SECONDS = 5.0
 _WARM = pytest.StashKey[dict]()  # this process's warm-kernel server: its client argv

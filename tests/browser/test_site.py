@@ -117,17 +117,23 @@ def status_of(url: str) -> int:
         return error.code
 
 
-def look_at(context, site: Site, page_path: str, shots: Path | None) -> tuple[list[str], dict]:
-    """Open one page in a tab of `context` (a browser context: one for the whole site, as a
-    reader's browser has); (problems, {"links": same-host hrefs, "ids": element ids, ...})."""
-    page = context.new_page()
+def look_at(page, site: Site, page_path: str, shots: Path | None) -> tuple[list[str], dict]:
+    """Open one page of the site in `page` (the one tab the whole check reads the site in, as
+    a reader's browser does: a tab per page cost twice the CPU, most of it starting renderer
+    processes); (problems, {"links": same-host hrefs, "ids": element ids, ...})."""
     host = urlsplit(site.url).netloc
     bad_resources: list[str] = []
-    page.route(re.compile(r"^(?!http://127\.0\.0\.1:)"), lambda route: route.abort())  # offline
-    page.on("response", lambda r: bad_resources.append(f"{r.status} {r.url}")
-            if urlsplit(r.url).netloc == host and r.status >= 400 else None)
-    page.on("requestfailed", lambda r: bad_resources.append(f"failed {r.url}")
-            if urlsplit(r.url).netloc == host else None)
+
+    def on_response(r):
+        if urlsplit(r.url).netloc == host and r.status >= 400:
+            bad_resources.append(f"{r.status} {r.url}")
+
+    def on_failed(r):
+        if urlsplit(r.url).netloc == host:
+            bad_resources.append(f"failed {r.url}")
+
+    page.on("response", on_response)
+    page.on("requestfailed", on_failed)
     problems: list[str] = []
     try:
         response = page.goto(site.url + page_path, wait_until="load")
@@ -171,22 +177,25 @@ def look_at(context, site: Site, page_path: str, shots: Path | None) -> tuple[li
         seen["images_shown"] = sum(i["ok"] for i in seen["images"])
         return problems, seen
     finally:
-        page.close()
+        page.remove_listener("response", on_response)
+        page.remove_listener("requestfailed", on_failed)
 
 
 def check_site(browser, site: Site, pages: list[str], shots: Path | None = None) -> dict:
     """Open `pages` and check their links; {"problems": [...], "pages": n, "links": n, ...}."""
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     try:
-        return _check_pages(context, site, pages, shots)
+        page = context.new_page()
+        page.route(re.compile(r"^(?!http://127\.0\.0\.1:)"), lambda route: route.abort())  # offline
+        return _check_pages(page, site, pages, shots)
     finally:
         context.close()
 
 
-def _check_pages(context, site: Site, pages: list[str], shots: Path | None) -> dict:
+def _check_pages(page, site: Site, pages: list[str], shots: Path | None) -> dict:
     problems, links, ids, images = [], set(), {}, 0
     for page_path in pages:
-        found, seen = look_at(context, site, page_path, shots)
+        found, seen = look_at(page, site, page_path, shots)
         problems += [f"{page_path}: {p}" for p in found]
         ids[page_path] = set(seen["ids"])
         images += seen.get("images_shown", 0)
@@ -202,7 +211,7 @@ def _check_pages(context, site: Site, pages: list[str], shots: Path | None) -> d
         rel = target.removeprefix(site.url) or "index.html"
         if fragment and rel.endswith(".html"):
             if rel not in ids:
-                _, seen = look_at(context, site, rel, None)
+                _, seen = look_at(page, site, rel, None)
                 ids[rel] = set(seen["ids"])
             if fragment not in ids[rel]:
                 problems.append(f"{page_path}: link to a missing anchor {href}")
