@@ -59,6 +59,8 @@ def check_micro_batch_slices(fn: Callable) -> CheckResult:
                     raise Mismatch(f"{n} rows, k={k}: your sizes are {sizes}, expected {want}: "
                                    f"the {n % k} extra row(s) go to the first slices, one each, "
                                    "as torch.tensor_split and the trainer split them")
+                if [s.indices(n) for s in got] == [s.indices(n) for s in micro_batch_slices(n, k)]:
+                    return  # slice(a, b, 1) and slice(a, b) are the same rows
             expect(list(got) if isinstance(got, tuple) else got, micro_batch_slices(n, k),
                     f"the slices for {n} rows, k={k}")
         return case
@@ -76,6 +78,7 @@ def check_micro_batch_slices(fn: Callable) -> CheckResult:
     return run_check("micro_batch_slices", fn, micro_batch_slices, [
         ("16 rows into 3 (sizes 6, 5, 5)", same_split(16, 3)),
         ("64 rows into 4", same_split(64, 4)),
+        ("17 rows into 5 (sizes 4, 4, 3, 3, 3)", same_split(17, 5)),
         ("k = 1: the whole batch", same_split(5, 1)),
         ("k = n_rows: one row each", same_split(4, 4)),
         ("1 row into 4 micro-batches (report 004)", refuses(1, 4)),
@@ -143,7 +146,7 @@ def _accumulated(run, problems, loss_fn, update_fn=steps.apply_update, sample_fn
     """hardening.accumulated_grpo_step with switches in its micro-batch loop: each known
     mistake is some of them turned."""
     cfg = run.cfg
-    rollout, rewards, advantages, ref_logp = steps.sample_and_score(run, problems)
+    rollout, rewards, advantages, ref_logp = steps.sample_and_score(run, problems, sample_fn)
     ids, attention, C = rollout.input_ids, rollout.attention_mask, rollout.completion_length
     mask = rollout.completion_mask
     whole = token_weights(mask, cfg.loss_type, cfg.max_new_tokens)
@@ -180,6 +183,13 @@ def _accumulated(run, problems, loss_fn, update_fn=steps.apply_update, sample_fn
     return {}
 
 
+def _sampler_flags_dropped(run, problems, loss_fn, update_fn=steps.apply_update,
+                           sample_fn=sample_group) -> dict:
+    def without_flags(model, tok, prompts, G, n, temperature=1.0, *rest, **kw):
+        return sample_fn(model, tok, prompts, G, n, temperature)
+    return hardening.accumulated_grpo_step(run, problems, loss_fn, update_fn, without_flags)
+
+
 ACCUMULATED_GRPO_STEP_MISTAKES = (
     Mistake("zero_grad_inside", partial(_accumulated, clear_inside=True),
             "only the last micro-batch's gradient reaches the update: "
@@ -213,6 +223,11 @@ ACCUMULATED_GRPO_STEP_MISTAKES = (
             "it were the whole batch, and the k losses sum to about k times the batch's loss, "
             "weighted differently. Compute the weights once, on the whole batch's mask, and "
             "give each micro-batch its rows of them: `weights[rows]`"),
+    Mistake("sampler_flags_dropped", _sampler_flags_dropped,
+            "your step does not pass `cfg.top_k` and `cfg.top_p` to the sampler: it samples "
+            "from the whole distribution even when the config asks for top-k or nucleus "
+            "sampling; call sample_fn(model, tokenizer, prompts, G, cfg.max_new_tokens, "
+            "cfg.temperature, cfg.top_k, cfg.top_p)"),
     Mistake("no_zero_grad", partial(_accumulated, clear_before=False),
             "your step never clears the gradients before the micro-batch loop: the gradients "
             "left in .grad by the last step are added to this one's"),
@@ -240,6 +255,18 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
                         ACCUMULATED_GRPO_STEP_MISTAKES,
                         lambda m: drive_accumulated(m, seed, **overrides)["update"])
             got = out["metrics"]
+            missing = sorted(set(want["metrics"]) - set(got))
+            if missing:
+                raise Mismatch(f"the metrics have no {missing[0]!r}"
+                               + (f" (nor {', '.join(map(repr, missing[1:4]))})"
+                                  if missing[1:] else "")
+                               + ": the step returns every metric the full-batch step does, "
+                               "the loss's stats included, each combined over the micro-batches")
+            tensors = sorted(k for k, v in got.items() if isinstance(v, torch.Tensor))
+            if tensors:
+                raise Mismatch(f"metrics[{tensors[0]!r}] is a tensor: give the metrics plain "
+                               "Python numbers (`.item()` of each micro-batch's part, then add "
+                               "them up); a tensor keeps its graph alive and is not JSON")
             for key, what in (("reward", ""), ("grad_norm", ""),
                               ("loss", " (the sum of the micro-batch losses: the "
                                        "whole batch's loss)"),
@@ -277,6 +304,8 @@ def check_accumulated_grpo_step(fn: Callable) -> CheckResult:
          case(1, loss_type="dr_grpo", grad_accum_steps=3, temperature=0.7)),
         ("dapo, 5 micro-batches of 4, 3, 3, 3 and 3 rows, no clipping",
          case(2, loss_type="dapo", grad_accum_steps=5, max_grad_norm=None)),
+        ("grpo, 2 micro-batches, top-k 4 and top-p 0.8 sampling",
+         case(3, loss_type="grpo", grad_accum_steps=2, top_k=4, top_p=0.8)),
     ])
 
 

@@ -21,7 +21,9 @@ from .base import (
     close,
     expect,
     gen,
+    grad_of,
     kind_of,
+    requires_grad,
     run_check,
     same_value,
 )
@@ -37,9 +39,16 @@ def check_exact_kl(fn: Callable) -> CheckResult:
             got = f(logits.clone(), ref_logits.clone())
             want, swapped = ref(logits, ref_logits), ref(ref_logits, logits)
             if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                if got.dtype != want.dtype:
+                    raise Mismatch(f"{what}: your KL is {got.dtype}, the logits are "
+                                   f"{logits.dtype}: keep their dtype (a .double() or a "
+                                   "float64 constant mixes it into the loss)")
                 if not torch.isfinite(got).all() and torch.isfinite(want).all():
-                    raise Mismatch(f"{what}: your KL is not finite; normalise with log_softmax, "
-                                   "not log(softmax) or exp() of the raw logits")
+                    raise Mismatch(f"{what}: your KL is not finite where the exact one is (at "
+                                   f"most {want.max().item():.4g}): compute it from log_softmax "
+                                   "of both logits; log(softmax), exp() of the raw logits and "
+                                   "torch.distributions.kl_divergence (inf wherever q underflows "
+                                   "to 0) overflow here")
                 if close(got, swapped) and not close(got, want):
                     raise Mismatch(f"{what}: you computed KL(q || p); the expectation is over "
                                    "the policy p = softmax(logits)")
@@ -47,6 +56,21 @@ def check_exact_kl(fn: Callable) -> CheckResult:
                     if close(got, wrong) and not close(got, want):
                         raise Mismatch(f"{what}: {words}")
             expect(got, want, f"{what}: the KL")
+        return case
+
+    def gradient(logits, ref_logits, what):
+        def case(f):
+            leaf = _leaf(logits)
+            got = f(leaf, ref_logits.clone())
+            expect(got.detach() if isinstance(got, torch.Tensor) else got,
+                   ref(logits, ref_logits), f"{what}: the KL")
+            requires_grad(got, "your KL", wrt="the logits")
+            upstream = torch.linspace(0.5, 1.5, got.numel()).reshape(got.shape)
+            theta = _leaf(logits)
+            want = grad_of(ref(theta, ref_logits), theta, upstream, "the KL")
+            expect(grad_of(got, leaf, upstream, "your KL"), want,
+                   f"{what}: the gradient of the KL with respect to the logits (cells 25 and 45 "
+                   "differentiate it: is a term detached?)")
         return case
 
     g = gen(0)
@@ -58,6 +82,7 @@ def check_exact_kl(fn: Callable) -> CheckResult:
         ("logits shifted by a constant are the same distribution",
          same_kl(a, a + 5.0, "shifted")),
         ("logits of size 1000", same_kl(a * 1000, b * 1000, "huge logits")),
+        ("the gradient with respect to the logits", gradient(a, b, "random logits")),
     ])
 
 
@@ -109,11 +134,30 @@ def check_kl_k2(fn: Callable) -> CheckResult:
                     f"{got[at].item():.4g}") from None
         return case
 
+    def gradient(logp, ref_logp, what):
+        def case(f):
+            lp = logp.clone().requires_grad_(True)
+            got = f(lp, ref_logp.clone())
+            expect(got.detach() if isinstance(got, torch.Tensor) else got, ref(logp, ref_logp),
+                   f"{what}: k2")
+            requires_grad(got, "your k2")
+            upstream = torch.linspace(0.5, 1.5, got.numel()).reshape(got.shape)
+            lp2 = logp.clone().requires_grad_(True)
+            want = grad_of(ref(lp2, ref_logp), lp2, upstream, "k2")
+            expect(grad_of(got, lp, upstream, "your k2"), want,
+                   f"{what}: the gradient of k2 with respect to logp (it is -(log r) = "
+                   "logp - ref_logp per token)")
+        return case
+
     g = gen(1)
     logp, ref_logp = -torch.rand(4, 5, generator=g) * 3, -torch.rand(4, 5, generator=g) * 3
+    far = ref_logp - 2.0 - torch.rand(4, 5, generator=g) * 10  # |log r| from 2 to 15
     return run_check("kl_k2", fn, ref, [
         ("random log-probs", same_k2(logp, ref_logp, "random log-probs")),
         ("identical policies give 0", same_k2(logp, logp, "identical policies")),
+        ("a policy far from the reference (|log r| up to 15)",
+         same_k2(logp, far, "far policies")),
+        ("the gradient with respect to logp", gradient(logp, ref_logp, "random log-probs")),
     ])
 
 
@@ -140,6 +184,11 @@ def _report003_kl_unscaled(logp, old_logp, ref_logp, advantages, weights, cfg):
                    naive.report003_kl(logp, ref_logp))
 
 
+def _upper_clamp_missing(logp, old_logp, ref_logp, advantages, weights, cfg):
+    kl = (ref_logp - logp).clamp(min=0)
+    return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
+
+
 REPORT003_LOSS_MISTAKES = (
     Mistake("k3_kept", _k3_kept,
             "this is k3, the formula report 003 removed: write the report's replacement, "
@@ -147,6 +196,9 @@ REPORT003_LOSS_MISTAKES = (
     Mistake("one_sided_clamp_missing", _one_sided_clamp_missing,
             "the second clamp is missing: the report's kl is `delta.clamp(0, 10)`, which "
             "drops every token where the policy gives more probability than the reference"),
+    Mistake("upper_clamp_missing", _upper_clamp_missing,
+            "delta is not clamped at 10: the report's kl is `delta.clamp(-10, 10).clamp(0, "
+            "10)`, at most 10 per token, where yours grows with delta"),
     Mistake("delta_reversed", _delta_reversed,
             "delta is reversed: the report's delta is `ref - cur`, ref_logp - logp"),
     Mistake("kl_unscaled", _report003_kl_unscaled,
@@ -182,7 +234,15 @@ def check_report003_loss(fn: Callable) -> CheckResult:
     return check_loss("report003_loss", fn, steps.report003_loss, [
         ("beta 0.3", dict(seed=0, beta=0.3)),
         ("beta 1.0, loss_type dapo", dict(seed=1, beta=1.0, loss_type="dapo")),
-    ], REPORT003_LOSS_MISTAKES, stats=("kl", "kl_k3"), stats_mistakes=REPORT003_STATS_MISTAKES)
+        ("asymmetric clip 0.1 / 0.3", dict(seed=3, beta=0.3, epsilon_low=0.1,
+                                           epsilon_high=0.3)),
+        # a later pass of mu > 1 with pi_old 5 nats per token away: the clamp at 2 binds
+        ("log_ratio_clamp 2, pi_old far away",
+         dict(seed=4, beta=0.3, log_ratio_clamp=2.0, old_drift=5.0)),
+        # ref_logp - logp from about 8 to 11: the report's clamps at 0 and 10 both matter
+        ("the reference 9.5 nats above the policy", dict(seed=5, beta=0.3, drift=-9.5)),
+    ], REPORT003_LOSS_MISTAKES, stats=("kl", "kl_k3", "clip_ratio/region_mean"),
+        stats_mistakes=REPORT003_STATS_MISTAKES)
 
 
 def reference_estimator_expected_gradient(estimator: Callable, logits: torch.Tensor,
@@ -203,11 +263,19 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_(True)
 
 
+CALLERS_GRAD = 0.125  # what the checks put in logits.grad before the call: it must stay
+
+
 def _grad_left(leaf: torch.Tensor, what: str) -> None:
-    if leaf.grad is not None:
-        raise Mismatch(f"{what}: your function left a gradient in logits.grad (a .backward() on "
-                       "the caller's tensor): the caller's next backward() would add to it. "
-                       "Use torch.autograd.grad(loss, logits), or work on a detached copy")
+    if leaf.grad is None:
+        raise Mismatch(f"{what}: your function cleared logits.grad, which held the caller's "
+                       "gradient (`.grad = None` or zero_grad after a .backward()): the caller "
+                       "loses what it had accumulated. Use torch.autograd.grad(loss, logits), "
+                       "which leaves .grad alone")
+    if not torch.equal(leaf.grad, torch.full_like(leaf.grad, CALLERS_GRAD)):
+        raise Mismatch(f"{what}: your function changed logits.grad (a .backward() on the "
+                       "caller's tensor adds into it): the caller's gradient now holds yours "
+                       "too. Use torch.autograd.grad(loss, logits), or work on a detached copy")
 
 
 def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
@@ -235,6 +303,7 @@ def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
         def run(f):
             what = f"{name}, V={logits.numel()}"
             leaf = _leaf(logits)
+            leaf.grad = torch.full_like(leaf, CALLERS_GRAD)  # the caller's: it must stay
             got = f(est, leaf, ref_logits.clone())
             _grad_left(leaf, what)
             value = got.detach() if isinstance(got, torch.Tensor) else got
@@ -302,6 +371,7 @@ def check_kl_gradients(fn: Callable) -> CheckResult:
     def case(logits, ref_logits, what):
         def run(f):
             leaf = _leaf(logits)
+            leaf.grad = torch.full_like(leaf, CALLERS_GRAD)  # the caller's: it must stay
             got = f(leaf, ref_logits.clone())
             _grad_left(leaf, what)
             if not (isinstance(got, (tuple, list)) and len(got) == 2):
@@ -347,7 +417,12 @@ def check_adaptive_beta(fn: Callable) -> CheckResult:
             n = 1 if n_steps is None else n_steps
             what = (f"beta={beta}, kl={kl}, target_kl={target}, horizon={horizon}, "
                     f"n_steps={n_steps if n_steps is not None else '1 (the default)'}")
-            got = as_float(f(*args))
+            out = f(*args)
+            if isinstance(out, torch.Tensor):
+                raise Mismatch(f"{what}: you returned a tensor ({kind_of(out)[:60]}); return "
+                               "the new beta as a Python float (`.item()`): it goes into the "
+                               "config, where a tensor would carry a graph and a device")
+            got = as_float(out)
             want = ref(*args)
             raw = kl / target - 1.0
             if isinstance(got, float) and not math.isclose(got, want, rel_tol=1e-6):
