@@ -3,6 +3,7 @@ data in `EXERCISES`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -71,6 +72,10 @@ def check_micro_batch_slices(fn: Callable) -> CheckResult:
                 got = f(n, k)
             except ValueError:
                 return
+            except Exception as e:  # noqa: BLE001 - any other error is the wrong one
+                raise Mismatch(f"micro_batch_slices({n}, {k}) raised {type(e).__name__}; it "
+                               "must raise ValueError, the error for a value a function "
+                               "cannot take (an assert is skipped under python -O)") from None
             raise Mismatch(f"micro_batch_slices({n}, {k}) returned {got}; it must raise "
                            "ValueError (a micro-batch would be empty: report 004)")
         return case
@@ -190,6 +195,25 @@ def _sampler_flags_dropped(run, problems, loss_fn, update_fn=steps.apply_update,
     return hardening.accumulated_grpo_step(run, problems, loss_fn, update_fn, without_flags)
 
 
+def _update_fn_bypassed(run, problems, loss_fn, update_fn=steps.apply_update,
+                        sample_fn=sample_group) -> dict:
+    def optimizer_step_only(r):  # the grad norm still logged, nothing clipped
+        params = [p for p in r.policy.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, math.inf).item()
+        r.optimizer.step()
+        return grad_norm, 0
+    return hardening.accumulated_grpo_step(run, problems, loss_fn, optimizer_step_only, sample_fn)
+
+
+def _reference_is_policy(run, problems, loss_fn, update_fn=steps.apply_update,
+                         sample_fn=sample_group) -> dict:
+    reference, run.reference = run.reference, run.policy
+    try:
+        return hardening.accumulated_grpo_step(run, problems, loss_fn, update_fn, sample_fn)
+    finally:
+        run.reference = reference
+
+
 ACCUMULATED_GRPO_STEP_MISTAKES = (
     Mistake("zero_grad_inside", partial(_accumulated, clear_inside=True),
             "only the last micro-batch's gradient reaches the update: "
@@ -228,6 +252,18 @@ ACCUMULATED_GRPO_STEP_MISTAKES = (
             "from the whole distribution even when the config asks for top-k or nucleus "
             "sampling; call sample_fn(model, tokenizer, prompts, G, cfg.max_new_tokens, "
             "cfg.temperature, cfg.top_k, cfg.top_p)"),
+    Mistake("divided_by_k", partial(_accumulated, divide_by_k=True),
+            "each micro-batch's loss is divided by k: its token weights are already the whole "
+            "batch's (`weights[rows]`), so the parts add up to the batch's loss as they are, "
+            "and dividing makes the update k times too small"),
+    Mistake("update_fn_bypassed", _update_fn_bypassed,
+            "your step calls `run.optimizer.step()` itself instead of `update_fn(run)`: the "
+            "update function clips the gradient (cfg.max_grad_norm) and, in later notebooks, "
+            "skips bad updates; call update_fn(run) once, after the loop"),
+    Mistake("reference_is_policy", _reference_is_policy,
+            "the reference log-probs come from `run.policy`: they must come from the frozen "
+            "`run.reference` (under torch.no_grad()), or the KL penalty compares the policy "
+            "with itself"),
     Mistake("no_zero_grad", partial(_accumulated, clear_before=False),
             "your step never clears the gradients before the micro-batch loop: the gradients "
             "left in .grad by the last step are added to this one's"),

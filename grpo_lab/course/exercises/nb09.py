@@ -189,6 +189,27 @@ def _upper_clamp_missing(logp, old_logp, ref_logp, advantages, weights, cfg):
     return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
 
 
+def _report003_with(kl_of: Callable) -> Callable:
+    """The report's loss with kl_of(logp, old_logp, ref_logp) as its per-token KL."""
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
+        return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg,
+                       kl_of(logp, old_logp, ref_logp))
+    return loss
+
+
+def _report003_token_mean(logp, old_logp, ref_logp, advantages, weights, cfg):
+    tokens = (weights > 0).float()
+    return steps.report003_loss(logp, old_logp, ref_logp, advantages, tokens / tokens.sum(), cfg)
+
+
+def _report003_kl_outside(logp, old_logp, ref_logp, advantages, weights, cfg):
+    per_token, _ = objective.clipped_surrogate(logp, old_logp, advantages.detach(),
+                                               cfg.epsilon_low, cfg.epsilon_high,
+                                               cfg.log_ratio_clamp)
+    kl = naive.report003_kl(logp, ref_logp)
+    return (per_token * weights).sum() + cfg.beta * kl[weights > 0].mean(), {}
+
+
 REPORT003_LOSS_MISTAKES = (
     Mistake("k3_kept", _k3_kept,
             "this is k3, the formula report 003 removed: write the report's replacement, "
@@ -201,6 +222,20 @@ REPORT003_LOSS_MISTAKES = (
             "10)`, at most 10 per token, where yours grows with delta"),
     Mistake("delta_reversed", _delta_reversed,
             "delta is reversed: the report's delta is `ref - cur`, ref_logp - logp"),
+    Mistake("kl_against_old", _report003_with(lambda lp, old, ref: naive.report003_kl(lp, old)),
+            "the KL is taken against old_logp, the policy that sampled: the penalty holds the "
+            "policy near the frozen reference, `delta = (ref_logp - logp)...`"),
+    Mistake("kl_detached", _report003_with(
+        lambda lp, old, ref: naive.report003_kl(lp, ref).detach()),
+            "your KL term carries no gradient (detached, or computed under no_grad): its "
+            "value is in the loss but it cannot pull the policy back"),
+    Mistake("token_mean", _report003_token_mean,
+            "the loss is a plain mean over the completion tokens: weight each token's term by "
+            "`weights` (the loss type's normalisation, computed by the step) and sum, as "
+            "grpo_loss does"),
+    Mistake("kl_outside_the_weights", _report003_kl_outside,
+            "the KL is averaged over the tokens on its own and added to the loss: it belongs "
+            "inside each token's term, (surrogate + cfg.beta * kl) * weights, summed"),
     Mistake("kl_unscaled", _report003_kl_unscaled,
             "the KL term is not scaled by the config's beta: each token's term is "
             "surrogate + `cfg.beta * kl`, not surrogate + kl"),
@@ -297,7 +332,10 @@ def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
         theta = _leaf(logits)
         logp = theta.log_softmax(-1)
         (swapped,) = torch.autograd.grad((logp.exp().detach() * est(logq, logp)).sum(), theta)
-        return full, uniform, raw, uniform * logits.numel(), swapped
+        theta = _leaf(logits)
+        logp = theta.log_softmax(-1)
+        (by_q,) = torch.autograd.grad((logq.exp() * est(logp, logq)).sum(), theta)
+        return full, uniform, raw, uniform * logits.numel(), swapped, by_q
 
     def case(est, name, logits, ref_logits):
         def run(f):
@@ -308,7 +346,11 @@ def check_estimator_expected_gradient(fn: Callable) -> CheckResult:
             _grad_left(leaf, what)
             value = got.detach() if isinstance(got, torch.Tensor) else got
             want = ref(est, logits, ref_logits)
-            full, uniform, raw, summed, swapped = wrong(est, logits, ref_logits)
+            full, uniform, raw, summed, swapped, by_q = wrong(est, logits, ref_logits)
+            if same_value(value, by_q) and not close(by_q, want):
+                raise Mismatch(f"{what}: you weighted each token by q(x), the reference's "
+                               "probability; the tokens are sampled from the policy, so the "
+                               "weights are p(x) = softmax(logits), detached")
             if same_value(value, full) and not close(full, want):
                 raise Mismatch(f"{what}: you differentiated the weights p(x) too (the full "
                                "gradient of sum_x p(x) k(x)); the sample comes from p and a "
