@@ -276,15 +276,16 @@ def _sign(logp, old_logp, ref_logp, advantages, weights, cfg):
     return -out, stats
 
 
-def _kl_outside_the_weights(over_tokens: bool):
-    """The reference's surrogate, with beta x the mean k3 added after the weighted sum: over
-    every (row, token) position, or over the completion tokens."""
+def loss_with_kl_outside(over_tokens: bool, kl: Callable = kl_k3):
+    """The reference's surrogate, with beta x the mean of kl(logp, ref_logp) (k3 unless
+    given) added after the weighted sum: over every (row, token) position, or over the
+    completion tokens."""
     def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
         surrogate, _ = with_kl(logp, old_logp, ref_logp, advantages, weights, cfg,
                                torch.zeros_like(logp))
-        k3 = kl_k3(logp, ref_logp)
-        return surrogate + cfg.beta * (masked_mean(k3, weights > 0) if over_tokens
-                                       else k3.mean()), {}
+        per_token = kl(logp, ref_logp)
+        return surrogate + cfg.beta * (masked_mean(per_token, weights > 0) if over_tokens
+                                       else per_token.mean()), {}
     return loss
 
 
@@ -316,9 +317,9 @@ GRPO_LOSS_MISTAKES = (
             "log-probs first (log_r = ref_logp - logp)"),
     Mistake("beta_ignored", _with(beta=0.0),
             "the KL term is missing: add `cfg.beta * kl_k3(logp, ref_logp)` per token"),
-    Mistake("kl_mean_outside_the_weights", _kl_outside_the_weights(over_tokens=False),
+    Mistake("kl_mean_outside_the_weights", loss_with_kl_outside(over_tokens=False),
             kl_outside_the_weights("over every (row, token) position")),
-    Mistake("kl_token_mean_outside_the_weights", _kl_outside_the_weights(over_tokens=True),
+    Mistake("kl_token_mean_outside_the_weights", loss_with_kl_outside(over_tokens=True),
             kl_outside_the_weights("over the completion tokens")),
     Mistake("kl_unscaled", _with(beta=1.0),
             "the KL term is not scaled by the config's beta: each token's term is "

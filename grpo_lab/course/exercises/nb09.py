@@ -28,7 +28,24 @@ from .base import (
     same_value,
 )
 from .fixtures import check_loss, drive_loss
-from .nb04 import with_kl
+from .nb04 import loss_with_kl_outside, with_kl
+
+
+def same_gradient(ref: Callable, x: torch.Tensor, other: torch.Tensor, what: str, wrt: str,
+                  why: str) -> Callable:
+    """The case: f(x, other) has ref's value and ref's gradient with respect to x (taken
+    against unequal weights per entry, so that no entry's error can hide in a sum)."""
+    def case(f):
+        leaf = _leaf(x)
+        got = f(leaf, other.clone())
+        expect(got.detach() if isinstance(got, torch.Tensor) else got, ref(x, other), what)
+        requires_grad(got, f"your {what}", wrt=wrt)
+        upstream = torch.linspace(0.5, 1.5, got.numel()).reshape(got.shape)
+        theta = _leaf(x)
+        want = grad_of(ref(theta, other), theta, upstream, what)
+        expect(grad_of(got, leaf, upstream, f"your {what}"), want,
+               f"the gradient of {what} with respect to {wrt} ({why}: is a term detached?)")
+    return case
 
 
 def check_exact_kl(fn: Callable) -> CheckResult:
@@ -58,21 +75,6 @@ def check_exact_kl(fn: Callable) -> CheckResult:
             expect(got, want, f"{what}: the KL")
         return case
 
-    def gradient(logits, ref_logits, what):
-        def case(f):
-            leaf = _leaf(logits)
-            got = f(leaf, ref_logits.clone())
-            expect(got.detach() if isinstance(got, torch.Tensor) else got,
-                   ref(logits, ref_logits), f"{what}: the KL")
-            requires_grad(got, "your KL", wrt="the logits")
-            upstream = torch.linspace(0.5, 1.5, got.numel()).reshape(got.shape)
-            theta = _leaf(logits)
-            want = grad_of(ref(theta, ref_logits), theta, upstream, "the KL")
-            expect(grad_of(got, leaf, upstream, "your KL"), want,
-                   f"{what}: the gradient of the KL with respect to the logits (cells 25 and 45 "
-                   "differentiate it: is a term detached?)")
-        return case
-
     g = gen(0)
     a, b = torch.randn(3, 4, 7, generator=g), torch.randn(3, 4, 7, generator=g)
     return run_check("exact_kl", fn, ref, [
@@ -82,7 +84,8 @@ def check_exact_kl(fn: Callable) -> CheckResult:
         ("logits shifted by a constant are the same distribution",
          same_kl(a, a + 5.0, "shifted")),
         ("logits of size 1000", same_kl(a * 1000, b * 1000, "huge logits")),
-        ("the gradient with respect to the logits", gradient(a, b, "random logits")),
+        ("the gradient with respect to the logits",
+         same_gradient(ref, a, b, "KL", "the logits", "cells 25 and 45 differentiate it")),
     ])
 
 
@@ -134,21 +137,6 @@ def check_kl_k2(fn: Callable) -> CheckResult:
                     f"{got[at].item():.4g}") from None
         return case
 
-    def gradient(logp, ref_logp, what):
-        def case(f):
-            lp = logp.clone().requires_grad_(True)
-            got = f(lp, ref_logp.clone())
-            expect(got.detach() if isinstance(got, torch.Tensor) else got, ref(logp, ref_logp),
-                   f"{what}: k2")
-            requires_grad(got, "your k2")
-            upstream = torch.linspace(0.5, 1.5, got.numel()).reshape(got.shape)
-            lp2 = logp.clone().requires_grad_(True)
-            want = grad_of(ref(lp2, ref_logp), lp2, upstream, "k2")
-            expect(grad_of(got, lp, upstream, "your k2"), want,
-                   f"{what}: the gradient of k2 with respect to logp (it is -(log r) = "
-                   "logp - ref_logp per token)")
-        return case
-
     g = gen(1)
     logp, ref_logp = -torch.rand(4, 5, generator=g) * 3, -torch.rand(4, 5, generator=g) * 3
     far = ref_logp - 2.0 - torch.rand(4, 5, generator=g) * 10  # |log r| from 2 to 15
@@ -157,7 +145,8 @@ def check_kl_k2(fn: Callable) -> CheckResult:
         ("identical policies give 0", same_k2(logp, logp, "identical policies")),
         ("a policy far from the reference (|log r| up to 15)",
          same_k2(logp, far, "far policies")),
-        ("the gradient with respect to logp", gradient(logp, ref_logp, "random log-probs")),
+        ("the gradient with respect to logp",
+         same_gradient(ref, logp, ref_logp, "k2", "logp", "it is logp - ref_logp per token")),
     ])
 
 
@@ -167,14 +156,6 @@ def _k3_kept(logp, old_logp, ref_logp, advantages, weights, cfg):
     return steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
 
 
-def _one_sided_clamp_missing(logp, old_logp, ref_logp, advantages, weights, cfg):
-    kl = (ref_logp - logp).clamp(-10, 10)
-    return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
-
-
-def _delta_reversed(logp, old_logp, ref_logp, advantages, weights, cfg):
-    kl = (logp - ref_logp).clamp(-10, 10).clamp(0, 10)
-    return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
 
 
 def _report003_kl_unscaled(logp, old_logp, ref_logp, advantages, weights, cfg):
@@ -182,11 +163,6 @@ def _report003_kl_unscaled(logp, old_logp, ref_logp, advantages, weights, cfg):
     c.beta = 1.0
     return with_kl(logp, old_logp, ref_logp, advantages, weights, c,
                    naive.report003_kl(logp, ref_logp))
-
-
-def _upper_clamp_missing(logp, old_logp, ref_logp, advantages, weights, cfg):
-    kl = (ref_logp - logp).clamp(min=0)
-    return with_kl(logp, old_logp, ref_logp, advantages, weights, cfg, kl)
 
 
 def _report003_with(kl_of: Callable) -> Callable:
@@ -202,25 +178,19 @@ def _report003_token_mean(logp, old_logp, ref_logp, advantages, weights, cfg):
     return steps.report003_loss(logp, old_logp, ref_logp, advantages, tokens / tokens.sum(), cfg)
 
 
-def _report003_kl_outside(logp, old_logp, ref_logp, advantages, weights, cfg):
-    per_token, _ = objective.clipped_surrogate(logp, old_logp, advantages.detach(),
-                                               cfg.epsilon_low, cfg.epsilon_high,
-                                               cfg.log_ratio_clamp)
-    kl = naive.report003_kl(logp, ref_logp)
-    return (per_token * weights).sum() + cfg.beta * kl[weights > 0].mean(), {}
-
-
 REPORT003_LOSS_MISTAKES = (
     Mistake("k3_kept", _k3_kept,
             "this is k3, the formula report 003 removed: write the report's replacement, "
             "`delta = (ref_logp - logp).clamp(-10, 10); kl = delta.clamp(0, 10)`"),
-    Mistake("one_sided_clamp_missing", _one_sided_clamp_missing,
+    Mistake("one_sided_clamp_missing",
+            _report003_with(lambda lp, old, ref: (ref - lp).clamp(-10, 10)),
             "the second clamp is missing: the report's kl is `delta.clamp(0, 10)`, which "
             "drops every token where the policy gives more probability than the reference"),
-    Mistake("upper_clamp_missing", _upper_clamp_missing,
+    Mistake("upper_clamp_missing", _report003_with(lambda lp, old, ref: (ref - lp).clamp(min=0)),
             "delta is not clamped at 10: the report's kl is `delta.clamp(-10, 10).clamp(0, "
             "10)`, at most 10 per token, where yours grows with delta"),
-    Mistake("delta_reversed", _delta_reversed,
+    Mistake("delta_reversed",
+            _report003_with(lambda lp, old, ref: (lp - ref).clamp(-10, 10).clamp(0, 10)),
             "delta is reversed: the report's delta is `ref - cur`, ref_logp - logp"),
     Mistake("kl_against_old", _report003_with(lambda lp, old, ref: naive.report003_kl(lp, old)),
             "the KL is taken against old_logp, the policy that sampled: the penalty holds the "
@@ -233,7 +203,8 @@ REPORT003_LOSS_MISTAKES = (
             "the loss is a plain mean over the completion tokens: weight each token's term by "
             "`weights` (the loss type's normalisation, computed by the step) and sum, as "
             "grpo_loss does"),
-    Mistake("kl_outside_the_weights", _report003_kl_outside,
+    Mistake("kl_outside_the_weights",
+            loss_with_kl_outside(over_tokens=True, kl=naive.report003_kl),
             "the KL is averaged over the tokens on its own and added to the loss: it belongs "
             "inside each token's term, (surrogate + cfg.beta * kl) * weights, summed"),
     Mistake("kl_unscaled", _report003_kl_unscaled,
