@@ -144,18 +144,26 @@ def quiet_loading():
             hf_logging.enable_progress_bar()
 
 
+_UNREACHABLE: set[str] = set()  # names this process could not load: asked once, said once
+
+
 def load_pretrained_gpt2(name_or_path: str = "gpt2"):
     """Pretrained GPT-2 from the hub, its cache, or a local `save_pretrained` directory.
 
     Returns (model, tokenizer), or None with a printed message naming the fallback when
-    it cannot be reached (offline, no cache)."""
+    it cannot be reached (offline, no cache). A name that failed once in this process is
+    not asked for again: a notebook that builds 36 trainers prints the message once, not 36
+    times (as it did on the H200 run of notebook 06), and waits on the hub once."""
     from transformers import AutoTokenizer
 
+    if name_or_path in _UNREACHABLE and not Path(name_or_path).is_dir():  # saved since: load it
+        return None
     try:
         model = GPT2LMHeadModel.from_pretrained(name_or_path)
         tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path))
     except OSError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _UNREACHABLE.add(name_or_path)
         print(
             f"[grpo_lab] pretrained {name_or_path!r} is not reachable ({first_line[:160]}); "
             "falling back to the GPT-2 124M architecture warm-started on the task"

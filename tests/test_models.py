@@ -118,6 +118,16 @@ def test_pretrained_loader_offline_names_the_fallback(tmp_path, monkeypatch, cap
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert load_pretrained_gpt2(str(tmp_path / "not-a-model")) is None
     assert "falling back to the GPT-2 124M architecture" in capsys.readouterr().out
+    assert load_pretrained_gpt2(str(tmp_path / "not-a-model")) is None  # asked again: said once
+    assert capsys.readouterr().out == ""
+
+
+def test_pretrained_loader_loads_a_directory_saved_after_a_miss(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert load_pretrained_gpt2(str(tmp_path / "later")) is None
+    _gpt2_like_dir(tmp_path / "later")
+    model, tok = load_pretrained_gpt2(str(tmp_path / "later"))
+    assert count_parameters(model) > 0 and tok.pad_token_id is not None
 
 
 def test_model_path_without_config_is_a_clear_error(tmp_path):
