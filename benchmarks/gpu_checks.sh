@@ -15,8 +15,9 @@
 #      under nbval (NOTEBOOKS, NOTEBOOK_WORKERS to change), until GPU_DEADLINE - RESERVE s;
 #   3. reports 000 and 002 as device-side asserts, each in a fresh process, and what the next
 #      CUDA call in that process does; 4. the peak-memory table; 5. grpo_lab vs TRL: s/step,
-#      tokens/s, MFU; 6. summary.json: card, date, commit, notebooks passed and total, seconds,
-#      the bench per side, the step-time ratio.
+#      tokens/s, MFU, then where grpo_lab's step goes (benchmarks/step_profile.py);
+#   6. summary.json: card, date, commit, notebooks passed and total, seconds, the bench per
+#      side, the step-time ratio, the step's profile per phase.
 # ONLY=notebooks: steps 1, 2 and 6 only (a rerun of the notebooks after a full run).
 # ONLY=executed: steps 1 and 2, but each notebook run to its end with every error kept and
 #   its outputs saved in OUT_DIR/executed/ (benchmarks/execute_keep_outputs.py): the numbers
@@ -63,10 +64,11 @@ if [ "$device" = cuda ]; then
   # the bench under bf16 autocast (BENCH_AMP=none: float32; 2026-11-27's H100 figure, 1.227,
   # was float32)
   profile=gpu; memory=(); bench=(--steps 50 --seeds 1 --amp "${BENCH_AMP:-bf16}")
+  step_profile=(--steps 20 --amp "${BENCH_AMP:-bf16}")
   notebooks=${NOTEBOOKS:-solutions/*.ipynb labs/*.ipynb}
   deadline=${GPU_DEADLINE:-560}
 else
-  profile=cpu; memory=(--quick); bench=(--steps 2 --seeds 1)
+  profile=cpu; memory=(--quick); bench=(--steps 2 --seeds 1); step_profile=(--steps 2 --warmup 1)
   notebooks=${NOTEBOOKS:-solutions/00_setup_and_diagnostics.ipynb}
   deadline=${GPU_DEADLINE:-0}
 fi
@@ -118,6 +120,10 @@ for name in scenario-000 scenario-002 scenario-000--fixed scenario-002--fixed; d
 done
 run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" ${memory[@]+"${memory[@]}"}
 run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}" --json "$out/bench.json"
+# where grpo_lab's step goes on this device: host and device time, kernel launches and
+# synchronisations per phase (about 30 s on a GPU)
+run step-profile "$py" benchmarks/step_profile.py --device "$device" --profile "$profile" \
+  "${step_profile[@]}" --json "$out/step_profile.json"
 summarize
 echo "outputs in $out; $failed command(s) failed"
 exit $((failed > 0))

@@ -99,12 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         bench = {side: {k: figures[side][k] for k in ("s_per_step", "tokens_per_s", "mfu")}
                  for side in ("grpo_lab", "TRL")}
         bench |= {k: figures[k] for k in ("step_time_ratio", "accuracy_delta", "peak_tflops")}
+    step_profile = {}  # where grpo_lab's step goes, per phase (benchmarks/step_profile.py)
+    profile_file = args.out / "step_profile.json"
+    if profile_file.exists():
+        figures = json.loads(profile_file.read_text())
+        step_profile = {"wall_ms": figures["wall_ms"], "phases": {
+            phase: {k: round(row[k], 2) for k in ("host_ms", "device_ms", "launches", "syncs")}
+            for phase, row in figures["phases"].items()}}
     summary = {
         "card": name, "torch": torch_version,
         "date": datetime.date.today().isoformat(), "commit": args.commit,
         "notebooks": notebook_results(args.out / "notebooks.xml", args.notebooks),
         "seconds": {"total": args.seconds, "notebooks": args.notebook_seconds},
         "bench": bench,
+        "step_profile": step_profile,
         "commands": {k: v for k, v in exit_codes(args.out).items() if k != "summary"},
         "commands_failed": args.failed,
     }
