@@ -58,11 +58,33 @@ def test_each_mistake_has_a_name_a_function_and_a_message_of_its_own():
             assert callable(m.wrong) and m.wrong is not exercise.reference, m
 
 
+def stored_case_counts() -> dict[str, tuple[str, int]]:
+    """What the solutions' stored outputs say each check passed: {name: (notebook, cases)}."""
+    counts = {}
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            for out in cell.get("outputs", []):
+                text = "".join(out.get("text", ""))
+                for name, n in re.findall(r"✅ check_(\w+): passed (\d+) cases", text):
+                    counts[name] = (path.name, int(n))
+    return counts
+
+
+STORED_CASES = stored_case_counts()
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-def test_the_reference_passes_its_check(name):
+def test_the_reference_passes_its_check(name, capsys):
     exercise = REGISTRY[name]
     result = exercise.check(exercise.reference)
     assert result.passed, result.reason
+    # and the stored outputs, read without running, show the checker as it is now
+    ran = re.search(r"passed (\d+) cases", capsys.readouterr().out)
+    if name in STORED_CASES and ran:
+        notebook, stored = STORED_CASES[name]
+        assert stored == int(ran.group(1)), (
+            f"solutions/{notebook} shows check_{name} passing {stored} cases; it has "
+            f"{ran.group(1)} now: refresh it (python -m grpo_lab notebooks solutions/{notebook})")
 
 
 MISTAKES = [(e.name, m.name) for e in REGISTRY.values() for m in e.mistakes]
