@@ -208,6 +208,16 @@ def _clamped_per_token(logp, old_logp, ref_logp, advantages, weights, cfg):
     return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
 
 
+def _ratio_clamped_to_c(logp, old_logp, ref_logp, advantages, weights, cfg):
+    # exp(log r).clamp(-c, c): the log-ratio's bounds put on the ratio
+    m = (weights > 0).float()
+    c = cfg.log_ratio_clamp
+    ratio = torch.exp(((logp - ref_logp) * m).sum(-1, keepdim=True)).clamp(-c, c)
+    adv = advantages.detach().unsqueeze(-1)
+    per_token = -torch.min(ratio * adv, cfg.epsilon_low * adv)
+    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
+
+
 CLAMPED_REPORTED_LOSS_MISTAKES = (
     Mistake("no_clamp", _no_clamp,
             "nothing is clamped, or only a side this batch does not reach: clamp the summed "
@@ -217,6 +227,10 @@ CLAMPED_REPORTED_LOSS_MISTAKES = (
             "each token's log-ratio is clamped before the sum, so a completion's sum can "
             "still reach its length x the clamp: clamp the summed log-ratio, one per "
             "completion, the number `exp` takes"),
+    Mistake("ratio_clamped_to_c", _ratio_clamped_to_c,
+            "the ratio is clamped to [-c, c] after `exp`: c bounds the log-ratio, not the "
+            "ratio (a ratio is never negative, and exp() has already overflowed to inf by "
+            "then); clamp the summed log-ratio to [-c, c], then exp"),
     Mistake("ratio_clamped", _ratio_clamped,
             "the ratio is clamped after `exp`: exp() has already overflowed to inf by then "
             "(and inf x 0 is NaN); clamp the log-ratio, then exp"),
@@ -263,6 +277,13 @@ def _skipped_norm_not_kept(run):
     return norm, skipped
 
 
+def _nonfinite_norm_kept(run):
+    norm, skipped = steps.guarded_update(run)
+    if not math.isfinite(norm):
+        run.recent_grad_norms.append(norm)
+    return norm, skipped
+
+
 def _guard_no_clip(run):
     c = copy.copy(run.cfg)
     c.max_grad_norm = None
@@ -277,6 +298,9 @@ GUARDED_UPDATE_MISTAKES = (
     Mistake("skipped_norm_not_kept", _skipped_norm_not_kept,
             "a skipped norm is not recorded: record every finite norm, skipped ones too, or a "
             "lasting change of scale freezes training behind a stale median"),
+    Mistake("nonfinite_norm_kept", _nonfinite_norm_kept,
+            "a non-finite norm went into run.recent_grad_norms: keep finite norms only; one "
+            "NaN in the window makes its median NaN, and every spike test against it False"),
     Mistake("history_not_kept", _history_not_kept,
             "the grad norms are not recorded: append each finite norm to "
             "run.recent_grad_norms, or the spike rule never gets its 5 norms to compare with"),
@@ -300,7 +324,8 @@ NORM_REL_TOL = sum_error_bound(10**6)
 
 def _same_norms(a, b) -> bool:
     return (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
-            and all(math.isclose(x, y, rel_tol=NORM_REL_TOL) for x, y in zip(a, b, strict=True)))
+            and all(math.isclose(x, y, rel_tol=NORM_REL_TOL) or (math.isnan(x) and math.isnan(y))
+                    for x, y in zip(a, b, strict=True)))
 
 
 def check_guarded_update(fn: Callable) -> CheckResult:

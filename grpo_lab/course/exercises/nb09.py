@@ -210,6 +210,9 @@ REPORT003_LOSS_MISTAKES = (
     Mistake("kl_unscaled", _report003_kl_unscaled,
             "the KL term is not scaled by the config's beta: each token's term is "
             "surrogate + `cfg.beta * kl`, not surrogate + kl"),
+    Mistake("kl_subtracted", _report003_with(lambda lp, old, ref: -naive.report003_kl(lp, ref)),
+            "the KL term is subtracted: a penalty is added, surrogate + cfg.beta * kl, so the "
+            "loss grows as the policy drifts; subtracted, it rewards the drift"),
 )
 
 
@@ -225,7 +228,16 @@ def _report003_stat_k3_swapped(logp, old_logp, ref_logp, advantages, weights, cf
         objective.kl_k3(ref_logp, logp).detach(), weights > 0).item()}
 
 
+def _report003_stat_logs_k3(logp, old_logp, ref_logp, advantages, weights, cfg):
+    loss, stats = steps.report003_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
+    return loss, {**stats, "kl": stats["kl_k3"]}
+
+
 REPORT003_STATS_MISTAKES = (
+    Mistake("kl_logs_k3", _report003_stat_logs_k3,
+            "stats['kl'] is k3: 'kl' is the number the report logged, its clamped delta, "
+            "`masked_mean(kl.detach(), weights > 0)` of the kl your loss uses; k3 goes in "
+            "stats['kl_k3'] beside it"),
     Mistake("kl_k3_swapped", _report003_stat_k3_swapped,
             "stats['kl_k3'] is k3 with its arguments swapped, kl_k3(ref_logp, logp): the "
             "policy's log-probs come first, `kl_k3(logp, ref_logp)` (log r = ref_logp - logp)"),
@@ -491,7 +503,7 @@ EXERCISES = (
     Exercise('exact_kl', exact_kl, check_exact_kl),
     Exercise('kl_k2', kl_k2, check_kl_k2),
     Exercise('report003_loss', steps.report003_loss, check_report003_loss,
-             driver=drive_loss, mistakes=REPORT003_LOSS_MISTAKES),
+             driver=drive_loss, mistakes=REPORT003_LOSS_MISTAKES + REPORT003_STATS_MISTAKES),
     Exercise('estimator_expected_gradient', reference_estimator_expected_gradient, check_estimator_expected_gradient),
     Exercise('kl_gradients', reference_kl_gradients, check_kl_gradients),
     Exercise('adaptive_beta', reference_adaptive_beta, check_adaptive_beta),
