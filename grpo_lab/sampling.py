@@ -48,7 +48,8 @@ class SanitizeLogits(LogitsProcessor):
         if dead.any():
             raise SamplingError(
                 f"{int(dead.sum())} of {scores.shape[0]} rows have no finite logit "
-                f"({n_nan} NaN values) at completion position {input_ids.shape[1]}: the "
+                f"({n_nan} NaN values) for the token after the first {input_ids.shape[1]} "
+                "(prompt and completion so far): the "
                 "policy's parameters are probably non-finite; check the health metrics "
                 "(nonfinite_params) and roll back to the last healthy snapshot"
             )

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_claim_holds_and_says_what_held():
     line = expect("06.guarded_spikes", 1000.0, profile="cpu")
-    assert "1e+03 (> 10 on the cpu profile)" in line
+    assert "1e+03 (asserted on the cpu profile: > 10)" in line
 
 
 def test_a_claim_that_fails_names_itself_the_profile_the_value_and_the_measurement():

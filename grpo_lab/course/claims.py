@@ -89,7 +89,7 @@ def expect(name: str, value: float, profile: str | None = None) -> str:
     claim, profile = CLAIMS[name], resolve_profile(profile)
     op, bound = getattr(claim, profile)
     value = float(value)
-    line = f"{claim.what}: {value:.3g} ({op} {bound:g} on the {profile} profile)"
+    line = f"{claim.what}: {value:.3g} (asserted on the {profile} profile: {op} {bound:g})"
     if not _TESTS[op](value, bound):  # a NaN value fails every bound
         raise AssertionError(f"claim {name!r} does not hold: {line}. Its bounds were set from: "
                              f"{claim.measured}")

@@ -49,6 +49,9 @@ def check_nonfinite_params(fn: Callable) -> CheckResult:
                                f"{type(got).__name__}; `.item()` or int()): the trainer writes "
                                "the count into its metrics, which are JSON")
             n_nan = sum(1 for v in values.values() if v != v)
+            if got == 1 < want and n_nan == want:
+                raise Mismatch(f"{what}: you returned 1 for {want} non-finite entries: return "
+                               "how many there are, not whether there are any")
             if got == n_nan != want:
                 raise Mismatch(f"{what}: you counted NaN but not inf (use torch.isfinite)")
             expect(got, want, f"{what}: the count")
@@ -82,6 +85,7 @@ def check_nonfinite_params(fn: Callable) -> CheckResult:
         ("one NaN in GPT-2's tied embedding (one tensor, two names)", tied),
         ("a healthy model", case({}, "a healthy model")),
         ("one NaN weight", case({"0.weight": nan}, "one NaN")),
+        ("NaN in two layers", case({"0.weight": nan, "1.weight": nan}, "two NaN")),
         ("NaN and inf in different layers",
          case({"0.weight": nan, "1.bias": inf, "1.weight": -inf}, "NaN and +-inf")),
         ("two NaN entries in one weight", two_in_one_tensor),
@@ -145,7 +149,8 @@ def drive_health_check(fn, seed: int = 0, fault: str = "nan-params", at: int = 3
     _fresh_gradients(run, g)
     steps.apply_update(run)  # the optimizer state the check left behind acts here
     return {"params": flat_params(run.policy), "returns": returns, "step_count": run.step_count,
-            "snapshot_step": getattr(getattr(run, "snapshot", None), "step", None)}
+            "snapshot_step": getattr(getattr(run, "snapshot", None), "step", None),
+            "return_types": sorted({type(r).__name__ for r in returns})}
 
 
 @reuses_known_results
@@ -182,11 +187,13 @@ def drive_healthy_update(fn, seed: int = 0, fault: str = "nan-params", at: int =
         outs.append(fn(run, update_fn=update))
         flags.append(getattr(run, "rolled_back", None))
         run.step_count += 1
-    return {"params": flat_params(run.policy), "outs": outs, "flags": flags}
+    return {"params": flat_params(run.policy), "outs": outs, "flags": flags,
+            "flag_types": sorted({type(f).__name__ for f in flags})}
 
 
 def _health_check(run, *, snapshot_first=False, count=nonfinite_params, weights_only=False,
-                  snapshot=True, due_every_step=False, due_one_step_off=False) -> int:
+                  snapshot=True, due_every_step=False, due_one_step_off=False,
+                  restore=True) -> int:
     """The reference health check with switches: each known mistake is one switch turned."""
     step = run.step_count + 1
     due = step % run.cfg.snapshot_every == 0
@@ -200,7 +207,7 @@ def _health_check(run, *, snapshot_first=False, count=nonfinite_params, weights_
     if count(run.policy):
         if weights_only:
             run.policy.load_state_dict(run.snapshot.model_state)
-        else:
+        elif restore:
             run.snapshot.restore(run.policy, run.optimizer)
         return 1
     if not snapshot:
@@ -223,6 +230,10 @@ HEALTH_CHECK_MISTAKES = (
             "the snapshot is taken before the parameters are checked: on a step that is due "
             "for one, the bad weights become the snapshot, and the rollback restores them. "
             "Check first; keep a snapshot only of a healthy step"),
+    Mistake("not_restored", partial(_health_check, restore=False),
+            "a rollback is reported (1) but nothing is restored: the bad weights stay and the "
+            "next step trains on them. `run.snapshot.restore(run.policy, run.optimizer)`, "
+            "then return 1"),
     Mistake("model_only", partial(_health_check, weights_only=True),
             "only the weights are restored, not the optimizer state: the optimizer's running "
             "averages (momentum here, AdamW's m and v) still hold what the bad step put in "
@@ -258,6 +269,10 @@ def check_health_check(fn: Callable) -> CheckResult:
     def case(**params):
         def run(f):
             out, want = drive(f, drive_health_check, **params), drive_health_check(ref, **params)
+            if set(out.get("return_types") or ["int"]) - {"int", "bool", "NoneType"}:
+                raise Mismatch(f"return a Python int, 1 after a rollback and 0 otherwise (yours "
+                               f"returned {', '.join(out['return_types'])}): the step adds it to "
+                               "its metrics, which are JSON; `int(...)` or `.item()`")
 
             def returns():
                 if same(out["params"], want["params"]):
@@ -367,6 +382,10 @@ def check_healthy_update(fn: Callable) -> CheckResult:
                                    f"take the update to run as `update_fn` ({e})") from None
                 raise
             want = drive_healthy_update(ref, **params)
+            if set(out.get("flag_types") or ["int"]) - {"int", "bool", "NoneType"}:
+                raise Mismatch("set run.rolled_back to a Python int, 1 or 0 (yours held "
+                               f"{', '.join(out['flag_types'])}): the step writes it into its "
+                               "metrics, which are JSON; `int(...)` or `.item()`")
             bad = [o for o in out["outs"] if not (isinstance(o, tuple) and len(o) == 2)]
             if bad:
                 raise Mismatch("return (grad_norm, skipped), a tuple of two, as update_fn "

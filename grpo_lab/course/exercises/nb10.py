@@ -3,6 +3,7 @@ data in `EXERCISES`."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -25,11 +26,17 @@ def check_sanitize_logits(fn: Callable) -> CheckResult:
             expect(f(scores.clone()), ref(scores), what)
         return case
 
-    def refuses(scores, what):
+    def refuses(scores, what, names_the_count=False):
         def case(f):
             try:
                 f(scores.clone())
-            except ValueError:
+            except ValueError as e:
+                bad = int((~torch.isfinite(scores).any(-1)).sum())
+                if names_the_count and not re.search(rf"(?<![0-9.]){bad}(?![0-9.])", str(e)):
+                    raise Mismatch(f"{what}: your ValueError says {str(e)[:120]!r}: name how "
+                                   f"many rows have nothing finite left ({bad} here), so the "
+                                   "reader knows whether one row or the whole batch broke") \
+                        from None
                 return
             raise Mismatch(f"{what}: no ValueError; a row with no finite logit left cannot be "
                            "sampled from (NaN made -inf, or -inf already): refuse every row "
@@ -52,6 +59,9 @@ def check_sanitize_logits(fn: Callable) -> CheckResult:
               "also replaces -inf unless you pass neginf=-inf)")),
         ("a row of -inf must raise ValueError",
          refuses(torch.tensor([[0.0, 1.0, 2.0], [-inf, -inf, -inf]]), "a row of -inf")),
+        ("three of five rows with nothing finite: the error names 3",
+         refuses(torch.tensor([[nan, nan], [0.0, 1.0], [-inf, nan], [2.0, 0.5], [-inf, -inf]]),
+                 "three rows of five with nothing finite", names_the_count=True)),
     ])
 
 
@@ -162,10 +172,22 @@ def check_safe_sample(fn: Callable) -> CheckResult:
         if "error" not in out:
             raise Mismatch("a model whose parameters are NaN sampled without an error: it "
                            "cannot have produced anything but garbage")
+        if out["error"].startswith("SamplingError"):
+            raise Mismatch("the NaN logits were refused by the package's sanitiser "
+                           "(sample_group's safe=True raises SamplingError): sanitise with "
+                           "yours, sample_group(..., sanitize=sanitize_logits), whose "
+                           "ValueError says what the learner's code found")
         if MULTINOMIAL_ERROR in out["error"]:
             raise Mismatch("the NaN logits reached torch.multinomial (on CUDA: a device-side "
                            "assert that kills the process): sanitise them first, "
                            "sample_group(..., sanitize=sanitize_logits)")
+
+    def refused_as_bad_input(error: str, what: str):
+        rows = tiny_model()[0].get_input_embeddings().num_embeddings
+        if not error.startswith("ValueError") or str(rows) not in error:
+            raise Mismatch(f"the bad {what} was refused with {error[:120]!r}: raise a "
+                           f"ValueError (bad input, not a crash) that names the id and the "
+                           f"embedding's size ({rows} rows), so the user knows what to fix")
 
     def new_pad(f, fault="new-pad"):
         out = drive(f, drive_sample, fault=fault)
@@ -184,11 +206,20 @@ def check_safe_sample(fn: Callable) -> CheckResult:
             raise Mismatch("the bad pad id reached the embedding (IndexError on CPU, a "
                            "device-side assert on CUDA): check the ids before the forward, "
                            "and name the id and the table's size in the error")
-        rows = tiny_model()[0].get_input_embeddings().num_embeddings
-        if not out["error"].startswith("ValueError") or str(rows) not in out["error"]:
-            raise Mismatch(f"the bad pad id was refused with {out['error'][:120]!r}: raise a "
-                           f"ValueError (bad input, not a crash) that names the id and the "
-                           f"embedding's size ({rows} rows), so the user knows what to fix")
+        refused_as_bad_input(out["error"], "pad id")
+
+    def new_prompt_token(f):
+        out = drive(f, drive_sample, fault="new-prompt-token")
+        if "error" not in out:
+            raise Mismatch("a prompt holds a token the embedding has no row for (added to the "
+                           "tokenizer only) and your sampler let it through: check the "
+                           "prompts' ids too, not only the pad token's")
+        if "index out of range" in out["error"] or "IndexError" in out["error"]:
+            raise Mismatch("a prompt's token id with no embedding row reached the embedding "
+                           "(IndexError on CPU, a device-side assert on CUDA): check every "
+                           "prompt id against model.get_input_embeddings().num_embeddings "
+                           "before the forward")
+        refused_as_bad_input(out["error"], "prompt id")
 
     return run_check("safe_sample", fn, ref, [
         ("a healthy model, seed 0", healthy(0)), ("a healthy model, seed 1", healthy(1)),
@@ -196,6 +227,7 @@ def check_safe_sample(fn: Callable) -> CheckResult:
         ("a new pad token the embedding lacks (report 002)", new_pad),
         ("the same pad token, prompts of one length (no padding in them)",
          lambda f: new_pad(f, "new-pad-unpadded")),
+        ("a prompt token the embedding lacks (added to the tokenizer only)", new_prompt_token),
     ])
 
 
