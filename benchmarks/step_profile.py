@@ -115,24 +115,22 @@ def main(argv: list[str] | None = None) -> int:
         trainer.step()
     host_ms: dict[str, list[float]] = defaultdict(list)
     wrap_phases(trainer, host_ms)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    walls = []
-    with profile(activities=activities) as prof:
+    def step_times() -> list[float]:  # ms per step, the device caught up at both ends
+        times = []
         for _ in range(args.steps):
             sync()
             t0 = time.perf_counter()
             trainer.step()
             sync()
-            walls.append(1e3 * (time.perf_counter() - t0))
+            times.append(1e3 * (time.perf_counter() - t0))
+        return times
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        walls = step_times()
     host_ms = {phase: list(times) for phase, times in host_ms.items()}  # the profiled steps'
     # the same steps again without the profiler: its own overhead is in the table's host times
-    plain = []
-    for _ in range(args.steps):
-        sync()
-        t0 = time.perf_counter()
-        trainer.step()
-        sync()
-        plain.append(1e3 * (time.perf_counter() - t0))
+    plain = step_times()
 
     n = args.steps
     counts = counts_by_phase(prof)

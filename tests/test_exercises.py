@@ -80,9 +80,9 @@ def test_the_reference_passes_its_check(name, capsys):
     assert result.passed, result.reason
     # and the stored outputs, read without running, show the checker as it is now
     ran = re.search(r"passed (\d+) cases", capsys.readouterr().out)
-    if name in STORED_CASES and ran:
-        notebook, stored = STORED_CASES[name]
-        assert stored == int(ran.group(1)), (
+    assert ran and name in STORED_CASES, f"no stored '✅ check_{name}: passed N cases' output"
+    notebook, stored = STORED_CASES[name]
+    assert stored == int(ran.group(1)), (
             f"solutions/{notebook} shows check_{name} passing {stored} cases; it has "
             f"{ran.group(1)} now: refresh it (python -m grpo_lab notebooks solutions/{notebook})")
 

@@ -187,15 +187,16 @@ def _no_clamp(logp, old_logp, ref_logp, advantages, weights, cfg):
     return steps.reported_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
 
 
-def _ratio_clamped(logp, old_logp, ref_logp, advantages, weights, cfg):
-    # clamp(exp(log r)) instead of exp(clamp(log r))
-    m = (weights > 0).float()
-    log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)
-    ratio = torch.exp(log_ratio).clamp(math.exp(-cfg.log_ratio_clamp),
-                                       math.exp(cfg.log_ratio_clamp))
-    adv = advantages.detach().unsqueeze(-1)
-    per_token = -torch.min(ratio * adv, cfg.epsilon_low * adv)
-    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
+def _ratio_clamped(bounds: Callable[[float], tuple[float, float]]) -> Callable:
+    """clamp(exp(log r), *bounds(c)) instead of exp(clamp(log r, -c, c))."""
+    def loss(logp, old_logp, ref_logp, advantages, weights, cfg):
+        m = (weights > 0).float()
+        log_ratio = ((logp - ref_logp) * m).sum(-1, keepdim=True)
+        ratio = torch.exp(log_ratio).clamp(*bounds(cfg.log_ratio_clamp))
+        adv = advantages.detach().unsqueeze(-1)
+        per_token = -torch.min(ratio * adv, cfg.epsilon_low * adv)
+        return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
+    return loss
 
 
 def _clamped_per_token(logp, old_logp, ref_logp, advantages, weights, cfg):
@@ -208,16 +209,6 @@ def _clamped_per_token(logp, old_logp, ref_logp, advantages, weights, cfg):
     return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
 
 
-def _ratio_clamped_to_c(logp, old_logp, ref_logp, advantages, weights, cfg):
-    # exp(log r).clamp(-c, c): the log-ratio's bounds put on the ratio
-    m = (weights > 0).float()
-    c = cfg.log_ratio_clamp
-    ratio = torch.exp(((logp - ref_logp) * m).sum(-1, keepdim=True)).clamp(-c, c)
-    adv = advantages.detach().unsqueeze(-1)
-    per_token = -torch.min(ratio * adv, cfg.epsilon_low * adv)
-    return ((per_token + cfg.beta * kl_k3(logp, ref_logp)) * weights).sum(), {}
-
-
 CLAMPED_REPORTED_LOSS_MISTAKES = (
     Mistake("no_clamp", _no_clamp,
             "nothing is clamped, or only a side this batch does not reach: clamp the summed "
@@ -227,11 +218,11 @@ CLAMPED_REPORTED_LOSS_MISTAKES = (
             "each token's log-ratio is clamped before the sum, so a completion's sum can "
             "still reach its length x the clamp: clamp the summed log-ratio, one per "
             "completion, the number `exp` takes"),
-    Mistake("ratio_clamped_to_c", _ratio_clamped_to_c,
+    Mistake("ratio_clamped_to_c", _ratio_clamped(lambda c: (-c, c)),  # the log-ratio's bounds
             "the ratio is clamped to [-c, c] after `exp`: c bounds the log-ratio, not the "
             "ratio (a ratio is never negative, and exp() has already overflowed to inf by "
             "then); clamp the summed log-ratio to [-c, c], then exp"),
-    Mistake("ratio_clamped", _ratio_clamped,
+    Mistake("ratio_clamped", _ratio_clamped(lambda c: (math.exp(-c), math.exp(c))),
             "the ratio is clamped after `exp`: exp() has already overflowed to inf by then "
             "(and inf x 0 is NaN); clamp the log-ratio, then exp"),
 )

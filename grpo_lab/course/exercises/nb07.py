@@ -225,6 +225,11 @@ def _nan_count(model) -> int:
     return sum(int(torch.isnan(p).sum()) for p in model.parameters())
 
 
+def _plain_ints(type_names) -> bool:
+    """Whether a driver's values were plain Python numbers (None: unset, another check's)."""
+    return not set(type_names or ()) - {"int", "bool", "NoneType"}
+
+
 HEALTH_CHECK_MISTAKES = (
     Mistake("snapshot_before_check", partial(_health_check, snapshot_first=True),
             "the snapshot is taken before the parameters are checked: on a step that is due "
@@ -269,7 +274,7 @@ def check_health_check(fn: Callable) -> CheckResult:
     def case(**params):
         def run(f):
             out, want = drive(f, drive_health_check, **params), drive_health_check(ref, **params)
-            if set(out.get("return_types") or ["int"]) - {"int", "bool", "NoneType"}:
+            if not _plain_ints(out.get("return_types")):
                 raise Mismatch(f"return a Python int, 1 after a rollback and 0 otherwise (yours "
                                f"returned {', '.join(out['return_types'])}): the step adds it to "
                                "its metrics, which are JSON; `int(...)` or `.item()`")
@@ -382,7 +387,7 @@ def check_healthy_update(fn: Callable) -> CheckResult:
                                    f"take the update to run as `update_fn` ({e})") from None
                 raise
             want = drive_healthy_update(ref, **params)
-            if set(out.get("flag_types") or ["int"]) - {"int", "bool", "NoneType"}:
+            if not _plain_ints(out.get("flag_types")):
                 raise Mismatch("set run.rolled_back to a Python int, 1 or 0 (yours held "
                                f"{', '.join(out['flag_types'])}): the step writes it into its "
                                "metrics, which are JSON; `int(...)` or `.item()`")

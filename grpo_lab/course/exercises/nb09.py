@@ -156,8 +156,6 @@ def _k3_kept(logp, old_logp, ref_logp, advantages, weights, cfg):
     return steps.grpo_loss(logp, old_logp, ref_logp, advantages, weights, cfg)
 
 
-
-
 def _report003_kl_unscaled(logp, old_logp, ref_logp, advantages, weights, cfg):
     c = copy.copy(cfg)
     c.beta = 1.0

@@ -189,10 +189,13 @@ def check_safe_sample(fn: Callable) -> CheckResult:
                            f"ValueError (bad input, not a crash) that names the id and the "
                            f"embedding's size ({rows} rows), so the user knows what to fix")
 
+    def reached_the_embedding(out: dict) -> bool:  # IndexError on CPU
+        return "error" in out and ("index out of range" in out["error"]
+                                   or "IndexError" in out["error"])
+
     def new_pad(f, fault="new-pad"):
         out = drive(f, drive_sample, fault=fault)
-        reached = "error" in out and ("index out of range" in out["error"]
-                                      or "IndexError" in out["error"])
+        reached = reached_the_embedding(out)
         if fault == "new-pad-unpadded" and ("error" not in out or reached):
             raise Mismatch("the prompts here have one length, so the bad pad id is in none "
                            "of them, and your sampler let it through; the sampler writes the "
@@ -214,7 +217,7 @@ def check_safe_sample(fn: Callable) -> CheckResult:
             raise Mismatch("a prompt holds a token the embedding has no row for (added to the "
                            "tokenizer only) and your sampler let it through: check the "
                            "prompts' ids too, not only the pad token's")
-        if "index out of range" in out["error"] or "IndexError" in out["error"]:
+        if reached_the_embedding(out):
             raise Mismatch("a prompt's token id with no embedding row reached the embedding "
                            "(IndexError on CPU, a device-side assert on CUDA): check every "
                            "prompt id against model.get_input_embeddings().num_embeddings "
