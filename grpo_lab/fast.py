@@ -11,8 +11,9 @@ runs these instead where they give the same numbers faster:
   `keep_fused` to keep it fused when a checkpoint's param groups are loaded.
 - `cached_forward`: GPT-2's forward written out over the model's own modules, for the
   sampler and the shared-prompt forwards, without transformers' per-call machinery (mask
-  building, cache objects, output records): on the tiny model that machinery costs as much
-  as the arithmetic of a decode step. Any other model keeps transformers' forward.
+  building, cache objects, output records, and the module calls of its Conv1D and
+  LayerNorm layers where no hook could tell): on the tiny model that machinery costs as
+  much as the arithmetic of a decode step. Any other model keeps transformers' forward.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as torch_module
 
 from .objective import completion_logits, position_ids_from_mask, scale_logits
 from .startup import gc_paused
 
 with gc_paused():  # startup.py
     from transformers.activations import GELUTanh, NewGELUActivation
+    from transformers.pytorch_utils import Conv1D
 
 
 def shared_prompt_logits(
@@ -68,7 +71,8 @@ def _logits_from_prompt_cache(model, input_ids, attention_mask, C, prompt_ids, p
     if cache is None:
         return None
     cache = select_rows(cache, row_prompt)  # keys and values (U, ...) -> (B, ...), per row
-    logits = logits[row_prompt, -1:]  # (B, 1, V): the prompt's last position predicts token 1
+    logits = logits[:, -1:].index_select(0, row_prompt)  # (B, 1, V): each prompt's last
+    # position predicts its rows' token 1
     if C > 1:  # completion tokens 1..C-1 predict tokens 2..C, attending to their prompt's cache
         position_ids = position_ids_from_mask(attention_mask)
         rest, _ = forward(input_ids[:, P:-1], attention_mask[:, :-1], position_ids[:, P:-1],
@@ -101,7 +105,7 @@ def select_rows(cache, rows: int | torch.Tensor):
     if isinstance(cache, list):  # gpt2_forward's: (keys, values) per layer
         if isinstance(rows, int):
             return [(k.repeat_interleave(rows, 0), v.repeat_interleave(rows, 0)) for k, v in cache]
-        return [(k[rows], v[rows]) for k, v in cache]
+        return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
     if isinstance(rows, int):  # transformers' Cache, in place
         cache.batch_repeat_interleave(rows)
     else:
@@ -157,19 +161,47 @@ def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):
     visible = ((cols <= own) & attention_mask.bool()[:, None, :]) | (cols == own)  # (B, T, S)
     visible = visible[:, None]  # (B, 1, T, S): one mask for every head
     h = tr.wte(input_ids) + tr.wpe(position_ids)
+    call = _direct_call if not _global_hooks() else _module_call
     present = []
     for layer, block in enumerate(tr.h):
         attn = block.attn
-        q, k, v = (x.view(B, T, H, -1).transpose(1, 2)
-                   for x in attn.c_attn(block.ln_1(h)).split(D, dim=2))  # (B, H, T, D/H)
+        qkv = call(attn.c_attn, call(block.ln_1, h))
+        q, k, v = (x.view(B, T, H, -1).transpose(1, 2) for x in qkv.split(D, dim=2))  # (B, H, T, D/H)
         if cache is not None:
             k, v = torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)
         present.append((k, v))
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-        h = h + attn.c_proj(a.transpose(1, 2).reshape(B, T, D))
+        h = h + call(attn.c_proj, a.transpose(1, 2).reshape(B, T, D))
         mlp = block.mlp
-        h = h + mlp.c_proj(mlp.act(mlp.c_fc(block.ln_2(h))))
-    return model.lm_head(tr.ln_f(h)), present
+        h = h + call(mlp.c_proj, mlp.act(call(mlp.c_fc, call(block.ln_2, h))))
+    return model.lm_head(call(tr.ln_f, h)), present
+
+
+def _global_hooks() -> bool:
+    """Hooks registered for every module (torch.nn.modules.module.register_module_*)."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks
+                or torch_module._global_backward_pre_hooks)
+
+
+def _module_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def _direct_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for GPT-2's Conv1D and LayerNorm, as their forward's own function call
+    where nothing could tell the difference (the module's own type, no hooks): a module
+    call's bookkeeping costs ~3 us, about what a decode step's small layer computes in, and
+    a step on the tiny model makes ~250 of them. The same operations, the same numbers."""
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+            or module._backward_pre_hooks):
+        return module(x)
+    if type(module) is Conv1D:  # Conv1D.forward
+        return torch.addmm(module.bias, x.view(-1, x.size(-1)), module.weight).view(
+            x.size()[:-1] + (module.nf,))
+    if type(module) is torch.nn.LayerNorm:  # LayerNorm.forward
+        return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+    return module(x)
 
 
 class CompletionLogits(torch.nn.Module):

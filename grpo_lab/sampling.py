@@ -173,8 +173,16 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     host sync per token (the check whether every row is done): the same error as the CPU's
     multinomial, without the device-side assert, and without a second sync per token.
 
+    Once a row has drawn its EOS, it leaves the forward: its later tokens are padding
+    whatever its logits, and each row's logits depend on its own tokens only. Its KV cache
+    rows are dropped, and its stand-in logits are zeros (a uniform draw, replaced by the pad
+    id), so the draws consume the generator exactly as before and the other rows draw the
+    same tokens. (Where a kernel's rounding depends on how many rows it runs, as a CPU
+    matmul's does below 4 rows, the same edge case as the prompt forward's applies.)
+
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
-    (B, C, V) raw float32 logits each token was drawn from (before any processor)."""
+    (B, C, V) raw float32 logits each token was drawn from (before any processor; zeros
+    after a row's EOS)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     processors = [lambda ids, scores: scale_logits(scores, temperature, logit_clamp)]
@@ -197,6 +205,8 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     on_device = prompt_ids.is_cuda if check_on_device is None else check_on_device
     bad = torch.zeros((), dtype=torch.bool, device=mask.device)  # a row was unsampleable
     sequence, raw = prompt_ids, []
+    alive = list(range(len(mask)))  # the rows still drawing, whose keys and values the cache holds
+    rows = None  # alive as a tensor, None while it is every row
     for t in range(max_new_tokens):
         raw.append(logits)
         scores = logits
@@ -212,16 +222,26 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
         sequence = torch.cat([sequence, token[:, None]], 1)  # (B, P + t + 1)
         done = done | (token == tokenizer.eos_token_id)
         if on_device:
-            all_done, found = torch.stack([done.all(), bad]).tolist()  # the one host sync
+            *finished, found = torch.cat([done, bad[None]]).tolist()  # the one host sync
             if found:
                 raise unsampleable(probs.device)
         else:
-            all_done = bool(done.all())
-        if t == max_new_tokens - 1 or all_done:
+            finished = done.tolist()
+        if t == max_new_tokens - 1 or all(finished):
             break
         mask, position = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), position + 1
-        logits, cache = forward(token[:, None], mask, position, cache)
-        logits = logits[:, -1].float()  # (B, V)
+        if any(finished[i] for i in alive):  # rows finished: drop them from the cache
+            cache = select_rows(cache, torch.tensor(
+                [j for j, i in enumerate(alive) if not finished[i]], device=mask.device))
+            alive = [i for i in alive if not finished[i]]
+            rows = torch.tensor(alive, device=mask.device)
+        if rows is None:
+            logits, cache = forward(token[:, None], mask, position, cache)
+            logits = logits[:, -1].float()  # (B, V)
+        else:
+            out, cache = forward(token[rows, None], mask[rows], position[rows], cache)
+            logits = out.new_zeros(len(mask), out.shape[-1], dtype=torch.float32)
+            logits[rows] = out[:, -1].float()  # (B, V): zeros on the finished rows
     return sequence[:, prompt_ids.shape[1]:], torch.stack(raw, 1)
 
 

@@ -97,6 +97,38 @@ def test_gpt2_forward_is_the_transformers_forward(tiny):
         assert err <= as_accurate_bound(err_plain, truth.abs().max().item()), (err, err_plain)
 
 
+def test_gpt2_forward_calls_a_layer_directly_only_where_nothing_can_tell(tiny, monkeypatch):
+    """gpt2_forward runs GPT-2's Conv1D and LayerNorm as their forward's own function call:
+    the same numbers as calling the modules, and a module with a hook (its own, or one
+    registered for every module) is called as a module, so the hook runs."""
+    from grpo_lab import fast
+
+    model, _ = tiny
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    mask, positions = torch.ones_like(ids), torch.arange(3).expand(2, 3)
+
+    def logits():
+        return gpt2_forward(model, ids, mask, positions)[0]
+
+    direct = logits()
+    with monkeypatch.context() as m:
+        m.setattr(fast, "_direct_call", fast._module_call)
+        assert torch.equal(logits(), direct)
+    seen = []
+    hook = model.transformer.h[1].mlp.c_fc.register_forward_hook(lambda *a: seen.append("c_fc"))
+    assert torch.equal(logits(), direct) and seen == ["c_fc"]
+    hook.remove()
+    everywhere = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(type(module).__name__))
+    try:
+        assert torch.equal(logits(), direct)
+    finally:
+        everywhere.remove()
+    # per layer: c_attn, attention's c_proj, c_fc, the MLP's c_proj; ln_1, ln_2 (and ln_f)
+    assert seen.count("Conv1D") == 4 * model.config.n_layer
+    assert seen.count("LayerNorm") == 2 * model.config.n_layer + 1
+
+
 def test_gpt2_forward_only_where_it_computes_the_same(tiny):
     """The written-out forward runs only for a GPT-2 with no dropout active and no
     activation checkpointing active; anything else gets transformers' own forward."""

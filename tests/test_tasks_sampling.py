@@ -167,8 +167,9 @@ def test_generation_flags_go_to_generate_not_around_it(tiny):
                          ids=["plain", "temperature-topk-topp"])
 @pytest.mark.parametrize("safe", [False, True], ids=["unsafe", "safe"])
 def test_sampling_loop_draws_what_generate_draws(tiny, flags, safe):
-    """sample_group's loop (each prompt run once per group) and model.generate with the
-    same flags and seed give the same completions and the same sampling log-probs."""
+    """sample_group's loop (each prompt run once per group, a row out of the forward once
+    it has drawn EOS) and model.generate (every row to the end) with the same flags and
+    seed give the same completions and the same sampling log-probs."""
     from transformers import LogitsProcessorList
 
     from grpo_lab.objective import token_logprobs
@@ -176,8 +177,15 @@ def test_sampling_loop_draws_what_generate_draws(tiny, flags, safe):
 
     model, tok = tiny
     prompts, G, n_new = ["1+2=", "12+34=", "5+67="], 4, 6  # left-padded prompts
+    rows = []  # rows of each forward (every forward embeds its ids first)
+    hook = model.transformer.wte.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
     torch.manual_seed(3)
     ours = sample_group(model, tok, prompts, G, n_new, safe=safe, **flags)
+    hook.remove()
+    # the prompts once, then after each token but the last the rows that have not drawn EOS
+    drew_eos = (ours.completion_ids == tok.eos_token_id).cummax(1).values  # (B, C)
+    assert rows == [len(prompts)] + (~drew_eos[:, :-1]).sum(0).tolist()
+    assert len(prompts) * G > min(rows[1:]) > 0  # this draw has rows finishing early
     ids, mask = encode_prompts(tok, [p for p in prompts for _ in range(G)], "cpu")
     torch.manual_seed(3)
     out = model.eval().generate(
