@@ -276,11 +276,12 @@ def sample_group(
         top_k, top_p, safe, logit_clamp, sanitize,
     )  # (B, C), (B, C, V)
     model.train(was_training)
-    sampling_logprobs = token_logprobs(scale_logits(raw_logits, temperature, logit_clamp),
-                                       completion_ids)
     completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
-    # padding carries no log-prob (where(), not *, so a NaN there cannot leak through)
-    sampling_logprobs = torch.where(completion_mask.bool(), sampling_logprobs, 0.0)
+    drawn = completion_mask.bool()
+    # the drawn tokens' log-probs; padding carries none (where(), not *, so a NaN there
+    # cannot leak through), and its pad id is not looked up: it was never drawn
+    sampling_logprobs = torch.where(drawn, token_logprobs(
+        scale_logits(raw_logits, temperature, logit_clamp), completion_ids.where(drawn, 0)), 0.0)
     return Rollout(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),

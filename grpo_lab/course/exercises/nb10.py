@@ -199,9 +199,9 @@ def check_safe_sample(fn: Callable) -> CheckResult:
         if fault == "new-pad-unpadded" and not out.get("error", "").startswith("ValueError"):
             raise Mismatch("the prompts here have one length, so the bad pad id is in none "
                            "of them, and your sampler let it through; the sampler writes the "
-                           "pad id after each finished row's end of text, and the log-probs "
-                           "(a gather over the vocabulary) and the training forward index with "
-                           "it: check tokenizer.pad_token_id itself against "
+                           "pad id after each finished row's end of text, and the reference's "
+                           "and the training forward look it up in the embedding: check "
+                           "tokenizer.pad_token_id itself against "
                            "model.get_input_embeddings().num_embeddings")
         if "error" not in out:
             raise Mismatch("a pad token with no embedding row was sampled with: check the "
