@@ -194,7 +194,11 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
-    forward = cached_forward(model)  # fast.py: GPT-2's forward without transformers' overhead
+    model_forward = cached_forward(model)  # fast.py: GPT-2's forward without transformers' overhead
+
+    def forward(*args):  # no autograd bookkeeping at all; its outputs are read, never kept
+        with torch.inference_mode():
+            return model_forward(*args)
     ids, mask = prompt_ids[::group_size], prompt_mask[::group_size]  # (B/G, P)
     positions = position_ids_from_mask(mask)
     logits, cache = forward(ids, mask, positions)

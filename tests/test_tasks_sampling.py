@@ -205,6 +205,24 @@ def test_sampling_loop_draws_what_generate_draws(tiny, flags, safe):
     assert (ours.sampling_logprobs.double() - truth)[m].abs().max() <= allowed
 
 
+def test_a_sanitiser_may_write_in_place(tiny):
+    """The model's forwards run in inference mode (tensors autograd may not touch); what a
+    learner's sanitiser gets is an ordinary tensor, which it may change in place."""
+    model, tok = tiny
+
+    def in_place(scores):
+        scores[torch.isnan(scores)] = -math.inf
+        return scores.clamp_(max=torch.finfo(scores.dtype).max)
+
+    runs = []
+    for sanitize in (in_place, None):
+        torch.manual_seed(0)
+        runs.append(sample_group(model, tok, ["1+2=", "12+34="], 4, 5, sanitize=sanitize))
+    assert torch.equal(runs[0].input_ids, runs[1].input_ids)
+    assert not any(t.is_inference() for t in (runs[0].input_ids, runs[0].sampling_logprobs,
+                                              runs[0].completion_mask))
+
+
 def test_sampling_nothing_is_refused(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):

@@ -479,3 +479,18 @@ def test_mask_truncated_completions(tiny, masked):
     assert (batch.weights[~cut].sum(-1) > 0).all()
     m = trainer.step()
     assert 0 < m["completions/clipped_ratio"] < 1
+
+
+def test_the_batch_holds_ordinary_tensors_a_loss_may_keep_for_backward():
+    """The sampler's and the reference's forwards run in inference mode; what reaches the
+    loss is ordinary tensors, so a loss that multiplies by ref_logp (autograd keeps it for
+    the backward) works."""
+    trainer = Trainer(preset("stable", prompts_per_step=2, group_size=4, beta=0.1))
+    batch = trainer.make_batch()
+    r = batch.rollout
+    assert not any(t.is_inference() for t in (batch.ref_logp, r.input_ids, r.attention_mask,
+                                              r.completion_mask, r.sampling_logprobs))
+    logp = completion_logprobs(trainer.policy, r.input_ids, r.attention_mask,
+                               r.completion_length)
+    (logp * batch.ref_logp).sum().backward()
+    assert all(p.grad is not None for p in trainer.policy.parameters() if p.requires_grad)
