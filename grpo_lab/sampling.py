@@ -158,27 +158,28 @@ def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperatu
 def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens,
                 temperature, top_k, top_p, safe, logit_clamp=None, sanitize=None,
                 check_on_device=None):
-    """generate()'s sampling loop written out, with one saving: each prompt runs through the
-    model once and its G rows share its KV cache. Then one token per step for every row,
-    padding after a row's EOS, until all rows are done. Each step's logits are scaled as
-    training scales them (`scale_logits`: temperature, then the optional logit clamp), then
-    sanitised (safe), then top-k and top-p, and a token is drawn with torch.multinomial as
-    generate() draws it: on CPU the same seed gives the same completions as generate()
+    """generate()'s sampling loop written out, with two savings: each prompt runs through the
+    model once and its G rows share its KV cache, and a finished row leaves the forward (see
+    below). Then one token per step for every row, padding after a row's EOS, until all rows
+    are done. Each step's logits are scaled as training scales them (`scale_logits`:
+    temperature, then the optional logit clamp), then sanitised (safe), then top-k and
+    top-p, and a token is drawn with torch.multinomial as generate() draws it: on CPU the same seed gives the same completions as generate()
     with the same processors (tests/test_tasks_sampling.py). (The prompt forward runs B/G
     rows instead of B; where a kernel's rounding depends on the batch size, as it can on
     CUDA, a draw at the edge of a token's probability interval may go the other way.)
 
     On CUDA (or with `check_on_device`) a row torch.multinomial cannot draw from is found
     on the device and drawn from a stand-in, and the loop raises `unsampleable` at its one
-    host sync per token (the check whether every row is done): the same error as the CPU's
+    host sync per token (where it reads which rows are done): the same error as the CPU's
     multinomial, without the device-side assert, and without a second sync per token.
 
     Once a row has drawn its EOS, it leaves the forward: its later tokens are padding
     whatever its logits, and each row's logits depend on its own tokens only. Its KV cache
     rows are dropped, and its stand-in logits are zeros (a uniform draw, replaced by the pad
     id), so the draws consume the generator exactly as before and the other rows draw the
-    same tokens. (Where a kernel's rounding depends on how many rows it runs, as a CPU
-    matmul's does below 4 rows, the same edge case as the prompt forward's applies.)
+    same tokens. (Where a kernel's rounding depends on how many rows it runs, as MKL's float32
+    matmul on the course's CI machine does below 4 rows, the prompt forward's edge case
+    above applies.)
 
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
     (B, C, V) raw float32 logits each token was drawn from (before any processor; zeros
