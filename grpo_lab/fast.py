@@ -100,8 +100,9 @@ def cached_forward(model: torch.nn.Module):
 
 
 def select_rows(cache, rows: int | torch.Tensor):
-    """The cache with a prompt's keys and values for each row of its group: `rows` is each
-    row's prompt (B,), or g for g consecutive rows per prompt."""
+    """The cache with the keys and values of the rows `rows` names: each row's prompt (B,),
+    g for g consecutive rows per prompt, or (in the sampler) the rows still drawing, by
+    their place in the cache."""
     if isinstance(cache, list):  # gpt2_forward's: (keys, values) per layer
         if isinstance(rows, int):
             return [(k.repeat_interleave(rows, 0), v.repeat_interleave(rows, 0)) for k, v in cache]
@@ -166,7 +167,8 @@ def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):
     for layer, block in enumerate(tr.h):
         attn = block.attn
         qkv = call(attn.c_attn, call(block.ln_1, h))
-        q, k, v = (x.view(B, T, H, -1).transpose(1, 2) for x in qkv.split(D, dim=2))  # (B, H, T, D/H)
+        # (B, H, T, D/H) each
+        q, k, v = (x.view(B, T, H, -1).transpose(1, 2) for x in qkv.split(D, dim=2))
         if cache is not None:
             k, v = torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)
         present.append((k, v))
@@ -190,11 +192,12 @@ def _module_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _direct_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x) for GPT-2's Conv1D and LayerNorm, as their forward's own function call
-    where nothing could tell the difference (the module's own type, no hooks): a module
-    call's bookkeeping costs ~3 us, about what a decode step's small layer computes in, and
-    a step on the tiny model makes ~250 of them. The same operations, the same numbers."""
+    where nothing could tell the difference (the module's own type, its class's forward, no
+    hooks): a module call's bookkeeping costs ~3 us, about what a decode step's small layer
+    computes in, and a step on the tiny model makes ~250 of them. The same operations, the
+    same numbers. A forward set on the instance (accelerate's hooks, a patch) is called."""
     if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-            or module._backward_pre_hooks):
+            or module._backward_pre_hooks or "forward" in module.__dict__):
         return module(x)
     if type(module) is Conv1D:  # Conv1D.forward
         return torch.addmm(module.bias, x.view(-1, x.size(-1)), module.weight).view(

@@ -163,8 +163,9 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     below). Then one token per step for every row, padding after a row's EOS, until all rows
     are done. Each step's logits are scaled as training scales them (`scale_logits`:
     temperature, then the optional logit clamp), then sanitised (safe), then top-k and
-    top-p, and a token is drawn with torch.multinomial as generate() draws it: on CPU the same seed gives the same completions as generate()
-    with the same processors (tests/test_tasks_sampling.py). (The prompt forward runs B/G
+    top-p, and a token is drawn with torch.multinomial as generate() draws it: on CPU the
+    same seed gives the same completions as generate() with the same processors
+    (tests/test_tasks_sampling.py). (The prompt forward runs B/G
     rows instead of B; where a kernel's rounding depends on the batch size, as it can on
     CUDA, a draw at the edge of a token's probability interval may go the other way.)
 
@@ -176,10 +177,12 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     Once a row has drawn its EOS, it leaves the forward: its later tokens are padding
     whatever its logits, and each row's logits depend on its own tokens only. Its KV cache
     rows are dropped, and its stand-in logits are zeros (a uniform draw, replaced by the pad
-    id), so the draws consume the generator exactly as before and the other rows draw the
-    same tokens. (Where a kernel's rounding depends on how many rows it runs, as MKL's float32
-    matmul on the course's CI machine does below 4 rows, the prompt forward's edge case
-    above applies.)
+    id), so the draws consume the generator as before and every other row draws from its
+    own logits. Those are the same numbers where a kernel's rounding does not depend on how
+    many rows it runs. MKL's float32 matmul on the course's CI machine rounds a row
+    differently in a product of 1 to 3 rows (by up to ~2e-6 in a logit), so there the
+    sampling log-probs of such a step move in the 6th digit, and a draw at the edge of a
+    token's probability interval may go the other way (measured: about 3 in 1e8 draws).
 
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
     (B, C, V) raw float32 logits each token was drawn from (before any processor; zeros
@@ -273,7 +276,8 @@ def sample_group(
     if safe:
         check_token_ids(prompt_ids, model.get_input_embeddings().num_embeddings, tokenizer)
     # each prompt's row repeated G times, rows grouped by prompt: (B, P)
-    prompt_ids, prompt_mask = (t.repeat_interleave(group_size, 0) for t in (prompt_ids, prompt_mask))
+    prompt_ids, prompt_mask = (t.repeat_interleave(group_size, 0)
+                               for t in (prompt_ids, prompt_mask))
     was_training = model.training
     model.eval()
     completion_ids, raw_logits = decode_loop(

@@ -100,7 +100,7 @@ def test_gpt2_forward_is_the_transformers_forward(tiny):
 def test_gpt2_forward_calls_a_layer_directly_only_where_nothing_can_tell(tiny, monkeypatch):
     """gpt2_forward runs GPT-2's Conv1D and LayerNorm as their forward's own function call:
     the same numbers as calling the modules, and a module with a hook (its own, or one
-    registered for every module) is called as a module, so the hook runs."""
+    registered for every module) or a forward of its own is called as a module."""
     from grpo_lab import fast
 
     model, _ = tiny
@@ -118,6 +118,13 @@ def test_gpt2_forward_calls_a_layer_directly_only_where_nothing_can_tell(tiny, m
     hook = model.transformer.h[1].mlp.c_fc.register_forward_hook(lambda *a: seen.append("c_fc"))
     assert torch.equal(logits(), direct) and seen == ["c_fc"]
     hook.remove()
+    ln = model.transformer.h[2].ln_2  # a forward set on the instance (accelerate's hooks do)
+    ln.forward = lambda x: seen.append("patched") or type(ln).forward(ln, x)
+    try:
+        assert torch.equal(logits(), direct) and seen == ["c_fc", "patched"]
+    finally:
+        del ln.forward
+    seen.clear()
     everywhere = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, out: seen.append(type(module).__name__))
     try:
