@@ -178,7 +178,8 @@ def test_sampling_loop_draws_what_generate_draws(tiny, flags, safe):
     model, tok = tiny
     prompts, G, n_new = ["1+2=", "12+34=", "5+67="], 4, 6  # left-padded prompts
     rows = []  # rows of each forward (every forward embeds its ids first)
-    hook = model.transformer.wte.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
+    hook = model.transformer.wte.register_forward_pre_hook(
+        lambda module, args: rows.append(len(args[0])))
     torch.manual_seed(3)
     ours = sample_group(model, tok, prompts, G, n_new, safe=safe, **flags)
     hook.remove()

@@ -178,7 +178,8 @@ def drive_sample(fn, seed: int = 0, fault: str | None = None) -> dict:
     fresh tiny GPT-2; fault 'nan-params' makes its embedding NaN, 'new-pad' adds a pad token
     to the tokenizer that the model has no embedding row for (report 002), and
     'new-pad-unpadded' does so with prompts of one length whose answers differ in length:
-    the pad id is in no prompt, and reaches the model only after a row's end of text;
+    the pad id is in no prompt, and the sampler writes it only after a row's end of text
+    (later forwards of the completions look it up);
     'new-prompt-token' adds a token '@' to the tokenizer only and puts it in one prompt."""
     model, tokenizer = (copy.deepcopy(x) for x in tiny_model())
     prompts = ["1+2=", "12+34=", "99+99="]
