@@ -71,6 +71,10 @@ def _logits_from_prompt_cache(model, input_ids, attention_mask, C, prompt_ids, p
     if cache is None:
         return None
     cache = select_rows(cache, row_prompt)  # keys and values (U, ...) -> (B, ...), per row
+    for kv in cache if isinstance(cache, list) and torch.is_grad_enabled() else ():
+        for t in kv if kv[0].requires_grad else ():  # its gradient arrives as a slice of
+            t.register_hook(torch.Tensor.contiguous)  # the attention's cat: index_select's
+            # backward sums it ~1.5x faster whole
     logits = logits[:, -1:].index_select(0, row_prompt)  # (B, 1, V): each prompt's last
     # position predicts its rows' token 1
     if C > 1:  # completion tokens 1..C-1 predict tokens 2..C, attending to their prompt's cache
@@ -166,9 +170,9 @@ def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):
     present = []
     for layer, block in enumerate(tr.h):
         attn = block.attn
-        qkv = call(attn.c_attn, call(block.ln_1, h))
-        # (B, H, T, D/H) each
-        q, k, v = (x.view(B, T, H, -1).transpose(1, 2) for x in qkv.split(D, dim=2))
+        qkv = call(attn.c_attn, call(block.ln_1, h))  # (B, T, 3D): q, k, v side by side
+        # (B, H, T, D/H) each: the views split() + view() + transpose() make, in 3 ops not 7
+        q, k, v = qkv.view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
         if cache is not None:
             k, v = torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)
         present.append((k, v))

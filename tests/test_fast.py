@@ -71,6 +71,21 @@ def test_shared_prompt_forward_equals_the_full_one(tiny, rows):
         gerr_shared, gerr_full)
 
 
+def test_shared_prompt_forward_of_a_frozen_model_with_autograd_on(tiny):
+    """A model whose parameters need no gradient, called with autograd on (a reference
+    outside inference mode, a frozen layer): the shared path runs, and gives what it gives
+    under no_grad."""
+    model, tok = tiny
+    r = sample_group(model, tok, ["1+2=", "12+34="], 4, 5)
+    model.requires_grad_(False)
+    with torch.enable_grad():
+        logits = shared_prompt_logits(model, r.input_ids, r.attention_mask, r.completion_length)
+    with torch.no_grad():
+        expected = shared_prompt_logits(model, r.input_ids, r.attention_mask,
+                                        r.completion_length)
+    assert not logits.requires_grad and torch.equal(logits, expected)
+
+
 def test_gpt2_forward_is_the_transformers_forward(tiny):
     """fast.gpt2_forward, over left-padded rows: in one call and as a prompt then its
     continuation from the cache, the logits at every real position are transformers'

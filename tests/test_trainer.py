@@ -10,6 +10,7 @@ import torch
 
 from grpo_lab import step as step_module
 from grpo_lab.config import LOSS_TYPES, GRPOConfig, preset
+from grpo_lab.health import Snapshot
 from grpo_lab.models import frozen_copy
 from grpo_lab.numerics import UNIT_ROUNDOFF, as_accurate_bound, sum_error_bound
 from grpo_lab.objective import completion_logprobs
@@ -203,6 +204,39 @@ def test_health_check_rolls_back_nonfinite_parameters(tiny):
     assert trainer.last_nonfinite_params == 1
     for k, v in trainer.policy.state_dict().items():
         assert torch.equal(v, healthy[k]), k
+
+
+def _same_state(a, b) -> bool:
+    """Two state dicts hold the same values: tensors equal with the same dtype and device."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.device == b.device
+                and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same_state(x, y) for x, y in zip(a, b, strict=True)))
+    return a == b
+
+
+def test_a_snapshot_is_a_copy_that_restores_the_exact_state(tiny):
+    """A Snapshot copies the parameters and the optimizer's state (moments, step counters,
+    param groups): later steps change none of it, and each restore brings all of it back,
+    the second as exactly as the first (the optimizer cannot write into the snapshot)."""
+    model, tok = tiny
+    trainer = Trainer(preset("stable", steps=5, eval_every=0, eval_size=8), model, tok)
+    trainer.step()
+    snapshot = Snapshot(trainer.policy, trainer.optimizer, 1)
+    model_then = copy.deepcopy(trainer.policy.state_dict())
+    optimizer_then = copy.deepcopy(trainer.optimizer.state_dict())
+    trainer.step()
+    assert not _same_state(trainer.policy.state_dict(), model_then)  # the step moved them
+    for _ in range(2):
+        snapshot.restore(trainer.policy, trainer.optimizer)
+        assert _same_state(trainer.policy.state_dict(), model_then)
+        assert _same_state(trainer.optimizer.state_dict(), optimizer_then)
+        trainer.step()  # training on from the restored state
 
 
 def test_skip_nonfinite_gradient(tiny):
