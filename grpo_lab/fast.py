@@ -171,7 +171,8 @@ def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):
     for layer, block in enumerate(tr.h):
         attn = block.attn
         qkv = call(attn.c_attn, call(block.ln_1, h))  # (B, T, 3D): q, k, v side by side
-        # (B, H, T, D/H) each: the views split() + view() + transpose() make, in 3 ops not 7
+        # (B, H, T, D/H) each: the views split() + view() + transpose() make (the same
+        # elements; a stride may differ along a dimension of size 1), in 3 ops not 7
         q, k, v = qkv.view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
         if cache is not None:
             k, v = torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)

@@ -239,6 +239,54 @@ def test_a_snapshot_is_a_copy_that_restores_the_exact_state(tiny):
         trainer.step()  # training on from the restored state
 
 
+def test_cloned_is_deepcopy_where_a_state_shares_tensors():
+    """health.cloned gives what copy.deepcopy gives: the same values, types, strides and
+    requires_grad, a tensor met twice copied once, views of one storage sharing their copy;
+    none of it shares memory with the original."""
+    from collections import OrderedDict, namedtuple
+
+    from grpo_lab.health import cloned
+
+    pair = namedtuple("pair", "a b")
+    base, lr = torch.arange(12.0).reshape(3, 4), torch.tensor(1e-3)
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3).t()},
+                  1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2)}},
+        "param_groups": [{"params": [0], "lr": lr, "betas": (0.9, 0.99)},
+                         {"params": [1], "lr": lr, "betas": (0.9, 0.99)}],  # one lr tensor
+        "row": base[0], "column": base[:, 1], "parameter": torch.nn.Parameter(torch.ones(2)),
+        "needs_grad": torch.ones(2, requires_grad=True), "pair": pair(torch.zeros(1), 2),
+        "ordered": OrderedDict(x=torch.zeros(1)), "empty": torch.zeros(0), "none": None,
+    }
+    state["twice"] = [state["state"][1], state["state"][1]]  # one dict met twice
+    fast, slow = cloned(state), copy.deepcopy(state)
+
+    def leaves(x, path=()):
+        if isinstance(x, torch.Tensor):
+            yield path, x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                yield from leaves(v, path + (k,))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                yield from leaves(v, path + (i,))
+
+    def layout(x):  # every tensor's path, type, value, strides, and whom it shares with
+        tensors = list(leaves(x))
+        return [(path, type(t), t.dtype, t.tolist(), t.stride(), t.requires_grad,
+                 [q for q, u in tensors if u is t],
+                 [q for q, u in tensors
+                  if u.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()])
+                for path, t in tensors]
+
+    assert layout(fast) == layout(slow) == layout(state)
+    assert fast["param_groups"][0]["lr"] is fast["param_groups"][1]["lr"]
+    assert fast["twice"][0] is fast["twice"][1] is fast["state"][1]
+    assert type(fast["pair"]) is pair and type(fast["ordered"]) is OrderedDict
+    originals = {t.untyped_storage().data_ptr() for _, t in leaves(state) if t.numel()}
+    assert not originals & {t.untyped_storage().data_ptr() for _, t in leaves(fast)}
+
+
 def test_skip_nonfinite_gradient(tiny):
     model, tok = tiny
     trainer = Trainer(preset("stable", steps=1), model, tok)
