@@ -71,10 +71,10 @@ def _logits_from_prompt_cache(model, input_ids, attention_mask, C, prompt_ids, p
     if cache is None:
         return None
     cache = select_rows(cache, row_prompt)  # keys and values (U, ...) -> (B, ...), per row
-    for kv in cache if isinstance(cache, list) and torch.is_grad_enabled() else ():
-        for t in kv if kv[0].requires_grad else ():  # its gradient arrives as a slice of
-            t.register_hook(torch.Tensor.contiguous)  # the attention's cat: index_select's
-            # backward sums it ~1.5x faster whole
+    if isinstance(cache, list):  # gpt2_forward's: a row's keys and values get their gradient
+        # as a slice of the attention's cat; index_select's backward sums it ~1.5x faster whole
+        for t in (t for kv in cache for t in kv if t.requires_grad):
+            t.register_hook(torch.Tensor.contiguous)
     logits = logits[:, -1:].index_select(0, row_prompt)  # (B, 1, V): each prompt's last
     # position predicts its rows' token 1
     if C > 1:  # completion tokens 1..C-1 predict tokens 2..C, attending to their prompt's cache

@@ -58,41 +58,23 @@ def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
 
 
 def cloned(state):
-    """copy.deepcopy(state), faster on an optimizer's state dict (3.5 -> 1.4 ms on the tiny
-    model's, every snapshot_every steps): a tensor that shares its memory with no other
-    tensor of the state, a plain one that needs no gradient, is cloned directly; everything
-    else goes through copy.deepcopy with one memo, so what deepcopy keeps (a tensor met
-    twice copied once, views of one storage sharing a copy, a Parameter's type) is kept."""
-    storage = {id(t): t.untyped_storage().data_ptr() for t in _tensors(state)}
-    sharing = Counter(storage.values())  # tensors (each counted once) per storage
-    memo: dict = {}
-
-    def walk(x):
-        if id(x) in memo:
-            return memo[id(x)]
-        if isinstance(x, torch.Tensor):
-            if (type(x) is torch.Tensor and not x.requires_grad and x.numel()
-                    and sharing[storage[id(x)]] == 1):
-                memo[id(x)] = x.clone()  # dense tensors keep their strides
-                return memo[id(x)]
-        elif type(x) is dict:
-            memo[id(x)] = out = {}  # a container met twice is copied once, too
-            out.update((k, walk(v)) for k, v in x.items())
-            return out
-        elif type(x) is list:
-            memo[id(x)] = out = []
-            out.extend(walk(v) for v in x)
-            return out
-        elif type(x) is tuple:
-            memo[id(x)] = out = tuple(walk(v) for v in x)
-            return out
-        return copy.deepcopy(x, memo)
-    return walk(state)
+    """copy.deepcopy(state), faster on an optimizer's state dict (3.5 -> 0.9 ms on the tiny
+    model's, every snapshot_every steps): a plain tensor that needs no gradient and shares
+    its memory with no other tensor of the state is cloned up front and handed to deepcopy
+    in its memo, so deepcopy's slow per-tensor copy runs only for the rest; deepcopy's walk
+    keeps the rest of what it keeps (a tensor or container met twice copied once, views of
+    one storage sharing a copy, a Parameter's type, a namedtuple's)."""
+    tensors = {id(t): t for t in _tensors(state)}  # each tensor once
+    sharing = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
+    memo = {i: t.clone() for i, t in tensors.items()  # dense tensors keep their strides
+            if type(t) is torch.Tensor and not t.requires_grad and t.numel()
+            and sharing[t.untyped_storage().data_ptr()] == 1}
+    return copy.deepcopy(state, memo)
 
 
 def _tensors(x):
     """Every tensor in nested dicts, lists and tuples (deepcopy's walk goes further; a
-    tensor it finds elsewhere is copied by deepcopy itself)."""
+    tensor found only there is copied by deepcopy itself)."""
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, dict):
