@@ -14,8 +14,10 @@
 #   2. every notebook, solutions and labs, under the gpu profile, in parallel on the one GPU
 #      under nbval (NOTEBOOKS, NOTEBOOK_WORKERS to change), until GPU_DEADLINE - RESERVE s;
 #   3. reports 000 and 002 as device-side asserts, each in a fresh process, and what the next
-#      CUDA call in that process does; 4. the peak-memory table; 5. grpo_lab vs TRL: s/step,
-#      tokens/s, MFU, then where grpo_lab's step goes (benchmarks/step_profile.py);
+#      CUDA call in that process does; 4. the peak-memory table; 5. the sampler's decode step
+#      as a CUDA graph against the eager loop (benchmarks/decode_graphs.py); grpo_lab vs TRL:
+#      s/step, tokens/s, MFU, with the graph on (BENCH_GRAPHS=0: off), then where grpo_lab's
+#      step goes without it (benchmarks/step_profile.py);
 #   6. summary.json: card, date, commit, notebooks passed and total, seconds, the bench per
 #      side, the step-time ratio, the step's profile per phase.
 # ONLY=notebooks: steps 1, 2 and 6 only (a rerun of the notebooks after a full run).
@@ -65,10 +67,12 @@ if [ "$device" = cuda ]; then
   # was float32)
   profile=gpu; memory=(); bench=(--steps 50 --seeds 1 --amp "${BENCH_AMP:-bf16}")
   step_profile=(--steps 20 --amp "${BENCH_AMP:-bf16}")
+  decode_graphs=(--batches 20 --amp "${BENCH_AMP:-bf16}")
   notebooks=${NOTEBOOKS:-solutions/*.ipynb labs/*.ipynb}
   deadline=${GPU_DEADLINE:-560}
 else
   profile=cpu; memory=(--quick); bench=(--steps 2 --seeds 1); step_profile=(--steps 2 --warmup 1)
+  decode_graphs=(--batches 2 --warmup 1)
   notebooks=${NOTEBOOKS:-solutions/00_setup_and_diagnostics.ipynb}
   deadline=${GPU_DEADLINE:-0}
 fi
@@ -79,7 +83,7 @@ if [ "$device" = cuda ] && [ -z "${NOTEBOOK_WORKERS:-}" ]; then
   NOTEBOOK_WORKERS=$("$py" -c "import torch; print(max(1, min(14, torch.cuda.get_device_properties(0).total_memory // (11 << 30))))" 2>/dev/null || echo 7)
 fi
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-reserve=${RESERVE:-150}  # seconds kept for steps 3 to 6 after the notebooks (about 120 on an H100)
+reserve=${RESERVE:-180}  # seconds kept for steps 3 to 6 after the notebooks (about 150 on an H100)
 run environment "$py" -c "import torch, transformers, trl; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 if [ "$device" = cuda ]; then
   run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; from grpo_lab.models import count_parameters; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {count_parameters(m)} parameters, {time.time() - t:.1f} s')"
@@ -119,7 +123,12 @@ for name in scenario-000 scenario-002 scenario-000--fixed scenario-002--fixed; d
   grep -q '^(exit 0, ' "$out/$name.txt" || failed=$((failed + 1))
 done
 run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" ${memory[@]+"${memory[@]}"}
-run bench "$py" -m grpo_lab bench --device "$device" --profile "$profile" "${bench[@]}" --json "$out/bench.json"
+run decode-graphs "$py" benchmarks/decode_graphs.py --device "$device" --profile "$profile" \
+  "${decode_graphs[@]}" --json "$out/decode_graphs.json"
+# the bench with the decode step as a CUDA graph (grpo_lab/graphs.py; off by default until a
+# GPU run has checked it: decode-graphs above); the step profile below runs without it
+run bench env GRPO_LAB_CUDA_GRAPHS="${BENCH_GRAPHS:-1}" "$py" -m grpo_lab bench --device "$device" \
+  --profile "$profile" "${bench[@]}" --json "$out/bench.json"
 # where grpo_lab's step goes on this device: host and device time, kernel launches and
 # synchronisations per phase (about 30 s on a GPU)
 run step-profile "$py" benchmarks/step_profile.py --device "$device" --profile "$profile" \

@@ -5,8 +5,10 @@
 card, date, commit; the notebooks passed and total (a notebook passes when every one of its
 code cells passed under nbval; one the deadline cut short is listed as not finished); the
 seconds of the whole run and of the notebooks; the bench per side (s/step, completion
-tokens/s, MFU against the card's peak) and the step-time ratio grpo_lab/TRL; the exit code of
-each other command. Prints the summary too.
+tokens/s, MFU against the card's peak), the step-time ratio grpo_lab/TRL and whether the
+bench ran the decode step as a CUDA graph; the step's profile per phase; the decode graph's
+check (benchmarks/decode_graphs.py); the exit code of each other command. Prints the
+summary too.
 """
 
 from __future__ import annotations
@@ -106,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         step_profile = {"wall_ms": figures["wall_ms"], "phases": {
             phase: {k: round(row[k], 2) for k in ("host_ms", "device_ms", "launches", "syncs")}
             for phase, row in figures["phases"].items()}}
+    decode_graphs = {}  # the decode step as a CUDA graph against the eager loop
+    graphs_file = args.out / "decode_graphs.json"
+    if graphs_file.exists():
+        decode_graphs = json.loads(graphs_file.read_text())
+    bench_txt = args.out / "bench.txt"  # its first line is the command, with the graph switch
+    switch = re.search(r"GRPO_LAB_CUDA_GRAPHS=(\d)", bench_txt.read_text()) \
+        if bench_txt.exists() else None
+    if bench and switch:
+        bench["cuda_graphs"] = switch.group(1) == "1"
     summary = {
         "card": name, "torch": torch_version,
         "date": datetime.date.today().isoformat(), "commit": args.commit,
@@ -113,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {"total": args.seconds, "notebooks": args.notebook_seconds},
         "bench": bench,
         "step_profile": step_profile,
+        "decode_graphs": decode_graphs,
         "commands": {k: v for k, v in exit_codes(args.out).items() if k != "summary"},
         "commands_failed": args.failed,
     }

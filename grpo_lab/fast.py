@@ -149,21 +149,30 @@ def _switches(model: torch.nn.Module) -> tuple[list, list]:
     return _SWITCHES[model]
 
 
-def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):
+def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None, write_at=None):
     """GPT-2 (GPT2LMHeadModel, `writes_out`) over the model's own modules and parameters:
     (B, T) ids and positions, the (B, S) 0/1 mask of all S = cached + T columns, the cache
     (a list of (keys, values) per layer, or None) -> ((B, T, V) logits, the cache with
-    these T columns added)."""
+    these T columns added).
+
+    `write_at`, a (1,) long tensor: the cache is static (graphs.py), its keys and values
+    allocated for all S columns; the one new column (T = 1) is written into it in place at
+    column `write_at`, and the mask is 1 exactly on the columns written so far, this one
+    included. No shape then depends on how many columns are written, and nothing is read
+    back to the host: what a CUDA graph needs to replay the step."""
     tr, cfg = model.transformer, model.config
     B, T = input_ids.shape
     D, H = cfg.n_embd, cfg.n_head
     S = attention_mask.shape[1]
     scale = (D // H) ** -0.5 if cfg.scale_attn_weights else 1.0  # GPT2Attention's
-    # query i sits at column S - T + i: it sees the unmasked columns up to its own, and
-    # always itself, so a padding query is never left with no key (its output is unused)
-    cols = torch.arange(S, device=input_ids.device)
-    own = cols[S - T:, None]  # (T, 1)
-    visible = ((cols <= own) & attention_mask.bool()[:, None, :]) | (cols == own)  # (B, T, S)
+    if write_at is None:
+        # query i sits at column S - T + i: it sees the unmasked columns up to its own, and
+        # always itself, so a padding query is never left with no key (its output is unused)
+        cols = torch.arange(S, device=input_ids.device)
+        own = cols[S - T:, None]  # (T, 1)
+        visible = ((cols <= own) & attention_mask.bool()[:, None, :]) | (cols == own)  # (B, T, S)
+    else:  # the static cache's mask: the columns written so far, the new one included
+        visible = attention_mask.bool()[:, None, :]  # (B, 1, S)
     visible = visible[:, None]  # (B, 1, T, S): one mask for every head
     h = tr.wte(input_ids) + tr.wpe(position_ids)
     call = _direct_call if not _global_hooks() else _module_call
@@ -174,7 +183,9 @@ def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None):
         # (B, H, T, D/H) each: the views split() + view() + transpose() make (the same
         # elements; a stride may differ along a dimension of size 1), in 3 ops not 7
         q, k, v = qkv.view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-        if cache is not None:
+        if write_at is not None:  # in place, at a column held on the device
+            k, v = cache[layer][0].index_copy_(2, write_at, k), cache[layer][1].index_copy_(2, write_at, v)
+        elif cache is not None:
             k, v = torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)
         present.append((k, v))
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .fast import cached_forward, select_rows
+from .graphs import static_decoder
 from .objective import position_ids_from_mask, scale_logits, token_logprobs
 from .startup import gc_paused
 from .tasks import addition_reward
@@ -157,7 +158,7 @@ def generation_config(tokenizer, max_new_tokens: int, do_sample: bool, temperatu
 
 def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_tokens,
                 temperature, top_k, top_p, safe, logit_clamp=None, sanitize=None,
-                check_on_device=None):
+                check_on_device=None, static=None):
     """generate()'s sampling loop written out, with two savings: each prompt runs through the
     model once and its G rows share its KV cache, and a finished row leaves the forward (see
     below). Then one token per step for every row, padding after a row's EOS, until all rows
@@ -184,6 +185,10 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     sampling log-probs of such a step move in the 6th digit, and a draw at the edge of a
     token's probability interval may go the other way (measured: about 3 in 1e8 draws).
 
+    With a static decoder (graphs.py: on a GPU with GRPO_LAB_CUDA_GRAPHS=1, or `static`
+    True) the decode steps run over a static cache, replayed as a CUDA graph on a GPU:
+    finished rows stay in that forward, their logits replaced by the same zeros.
+
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
     (B, C, V) raw float32 logits each token was drawn from (before any processor; zeros
     after a row's EOS)."""
@@ -209,6 +214,9 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     cache = select_rows(cache, group_size)  # (B/G, ...) -> (B, ...)
     logits = logits[:, -1].float().repeat_interleave(group_size, 0)  # (B, V)
     mask, position = prompt_mask, positions[:, -1:].repeat_interleave(group_size, 0)
+    decoder = static_decoder(model, cache, prompt_ids.shape[1] + max_new_tokens - 1, static)
+    if decoder is not None:
+        decoder.start(cache, mask, position)
     done = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)  # (B,) row hit EOS
     on_device = prompt_ids.is_cuda if check_on_device is None else check_on_device
     bad = torch.zeros((), dtype=torch.bool, device=mask.device)  # a row was unsampleable
@@ -237,6 +245,9 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
             finished = done.tolist()
         if t == max_new_tokens - 1 or all(finished):
             break
+        if decoder is not None:
+            logits = decoder.step(token, done)  # (B, V): zeros on the finished rows
+            continue
         mask, position = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), position + 1
         if any(finished[i] for i in alive):  # rows finished: drop them from the cache
             cache = select_rows(cache, torch.tensor(

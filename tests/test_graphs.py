@@ -1,0 +1,190 @@
+"""graphs.py's static decoder against the eager decode loop. On the CPU it runs its step
+without a CUDA graph over the same static buffers a graph would replay; the graph itself is
+checked on a GPU by benchmarks/decode_graphs.py (benchmarks/gpu_checks.sh)."""
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import graphs
+from grpo_lab.config import ConfigError
+from grpo_lab.fast import cached_forward
+from grpo_lab.numerics import as_accurate_bound
+from grpo_lab.objective import completion_logits, position_ids_from_mask
+from grpo_lab.sampling import decode_loop, encode_prompts
+
+pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_graphs.py"
+PROMPTS = ["1+2=", "12+34=", "5+67=", "40+4="]  # left-padded to different lengths
+
+
+def decode(model, tok, static: bool, seed: int, max_new_tokens: int = 5, group: int = 4):
+    ids, mask = encode_prompts(tok, PROMPTS, torch.device("cpu"))
+    ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        completions, raw = decode_loop(model, tok, ids, mask, group, max_new_tokens, 1.0, 0,
+                                       1.0, True, static=static)
+    return ids, mask, completions, raw
+
+
+def test_the_static_decoder_draws_what_the_eager_loop_draws(tiny):
+    """Over rollouts whose rows finish at different steps: the same tokens, and at every
+    drawn position raw logits as accurate against the float64 forward as the eager loop's
+    (the static step runs finished rows too and attends over masked columns, so it rounds
+    in another order; a wrong column, position or mask is off by the logits' own size)."""
+    model, tok = tiny
+    model64 = copy.deepcopy(model).double()
+    finished_early = 0
+    for seed in range(6):
+        ids, mask, eager, raw_eager = decode(model, tok, static=False, seed=seed)
+        _, _, static, raw_static = decode(model, tok, static=True, seed=seed)
+        assert torch.equal(static, eager), seed
+        drawn = (eager != tok.pad_token_id)
+        finished_early += int((~drawn).any(1).sum())
+        # the truth: each drawn token's logits, teacher-forced through the float64 model
+        C = eager.shape[1]
+        full_mask = torch.cat([mask, drawn.long()], 1)
+        with torch.no_grad():
+            truth = completion_logits(model64, torch.cat([ids, eager], 1), full_mask, C)
+        real = drawn[..., None]
+        err_eager = ((raw_eager.double() - truth).abs() * real).max().item()
+        err_static = ((raw_static.double() - truth).abs() * real).max().item()
+        assert err_static <= as_accurate_bound(err_eager, truth.abs().max().item()), (
+            seed, err_static, err_eager)
+        assert torch.equal(raw_static[~drawn], torch.zeros_like(raw_static[~drawn]))
+    assert finished_early > 0, "no row finished early: the test would not cover padding rows"
+
+
+def test_a_reused_decoder_keeps_nothing_of_the_last_rollout(tiny):
+    """The next rollout of the same shape reuses the buffers: what the last one left there,
+    even NaN, must not reach it (a masked key's weight is 0, and 0 x NaN is NaN)."""
+    model, tok = tiny
+    _, _, first, raw_first = decode(model, tok, static=True, seed=0)
+    decoder = next(iter(graphs._DECODERS[model].values()))
+    with torch.inference_mode():  # the buffers are inference tensors
+        for t in decoder.keys + decoder.values:
+            t.fill_(float("nan"))
+    _, _, again, raw_again = decode(model, tok, static=True, seed=0)
+    assert next(iter(graphs._DECODERS[model].values())) is decoder  # reused, not rebuilt
+    assert torch.equal(again, first) and torch.equal(raw_again, raw_first)
+
+
+def test_one_new_token_and_every_row_done_at_once(tiny):
+    """max_new_tokens=1 makes no decode step; a rollout whose rows all stop before the
+    last step ends the loop as the eager one does."""
+    model, tok = tiny
+    for n in (1, 2):
+        _, _, eager, raw_eager = decode(model, tok, static=False, seed=3, max_new_tokens=n)
+        _, _, static, raw_static = decode(model, tok, static=True, seed=3, max_new_tokens=n)
+        assert torch.equal(eager, static) and raw_eager.shape == raw_static.shape
+
+
+def prompt_cache(model, tok, group=2):
+    ids, mask = encode_prompts(tok, PROMPTS[:2], torch.device("cpu"))
+    with torch.no_grad():
+        _, cache = cached_forward(model)(ids, mask, position_ids_from_mask(mask))
+    return [(k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)) for k, v in cache]
+
+
+def test_which_decoder_the_environment_gets(tiny, monkeypatch):
+    """GRPO_LAB_CUDA_GRAPHS: 1 asks for graphs (only where there is a GPU: on the CPU the
+    eager loop runs), anything but 0 or 1 is refused naming the variable; static=True or
+    False decides for one call; transformers' cache object never gets one."""
+    model, tok = tiny
+    cache = prompt_cache(model, tok)
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "yes")
+    with pytest.raises(ConfigError, match="GRPO_LAB_CUDA_GRAPHS must be 0 or 1"):
+        graphs.static_decoder(model, cache, 10)
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
+    assert graphs.static_decoder(model, cache, 10) is None  # no CUDA here
+    assert graphs.static_decoder(model, cache, 10, static=False) is None
+    assert graphs.static_decoder(model, object(), 10, static=True) is None
+    decoder = graphs.static_decoder(model, cache, 10, static=True)
+    assert not decoder.use_graph and decoder.keys[0].shape[2] == 16  # 10 rounded up to 16
+    assert graphs.static_decoder(model, cache, 13, static=True) is decoder  # also 16
+
+
+def test_decoders_follow_the_parameters_and_stay_few(tiny):
+    """A decoder is kept per batch shape and per set of parameter tensors (a graph reads
+    the parameters where they were at capture: new tensors need a new one), at most
+    KEPT_PER_MODEL per model."""
+    model, tok = tiny
+    cache = prompt_cache(model, tok)
+    first = graphs.static_decoder(model, cache, 8, static=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0)  # in place: the same tensors
+    assert graphs.static_decoder(model, cache, 8, static=True) is first
+    for name, p in list(model.named_parameters()):
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(p.detach().clone()))
+    assert graphs.static_decoder(model, cache, 8, static=True) is not first
+    for columns in (16, 24, 32, 40, 48):
+        graphs.static_decoder(model, cache, columns, static=True)
+    assert len(graphs._DECODERS[model]) == graphs.KEPT_PER_MODEL
+
+
+def test_a_hook_on_any_module_keeps_graphs_off(tiny):
+    """A replay skips Python: a hook would run once, at capture, then never again."""
+    model, _ = tiny
+    assert not graphs._hooked(model)
+    handle = model.transformer.h[1].mlp.register_forward_hook(lambda *a: None)
+    assert graphs._hooked(model)
+    handle.remove()
+    assert not graphs._hooked(model)
+
+
+def test_under_bf16_autocast_the_cache_is_bf16_and_as_accurate(tiny):
+    """Sampling under autocast (amp='bf16'): the static cache takes the keys' bfloat16, and
+    each path's raw logits for the tokens it drew are as accurate against the float64
+    forward as the eager loop's (bf16 rounding can turn a draw, so each is measured on its
+    own tokens)."""
+    model, tok = tiny
+    model64 = copy.deepcopy(model).double()
+    errors, scale = {}, 0.0
+    for static in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ids, mask, drawn_ids, raw = decode(model, tok, static=static, seed=1)
+        drawn = drawn_ids != tok.pad_token_id
+        with torch.no_grad():
+            truth = completion_logits(model64, torch.cat([ids, drawn_ids], 1),
+                                      torch.cat([mask, drawn.long()], 1), drawn_ids.shape[1])
+        errors[static] = ((raw.double() - truth).abs() * drawn[..., None]).max().item()
+        scale = max(scale, truth.abs().max().item())
+    decoder = next(iter(graphs._DECODERS[model].values()))
+    assert decoder.keys[0].dtype == torch.bfloat16 and decoder.amp == (True, torch.bfloat16)
+    assert errors[True] <= as_accurate_bound(errors[False], scale), errors
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("decode_graphs", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_runs_check_passes_the_decoder_and_fails_a_wrong_one(tmp_path, monkeypatch,
+                                                                       capsys):
+    """benchmarks/decode_graphs.py (the GPU run's check, here without a graph): exit 0 and
+    its figures for the decoder as it is; exit 1 for one whose logits are off by a rounding
+    error's size many times over."""
+    script = load_script()
+    out = tmp_path / "graphs.json"
+    assert script.main(["--batches", "2", "--warmup", "1", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["identical_completions"] == 2 and not figures["graph"]
+    assert 0 < figures["worst_error_over_bound"] <= 1 and figures["speedup"] > 0
+    step = graphs.StaticDecoder.step
+
+    def off(self, token, done):
+        return step(self, token, done) * (1 + 1e-4)
+
+    monkeypatch.setattr(graphs.StaticDecoder, "step", off)
+    assert script.main(["--batches", "2", "--warmup", "1"]) == 1
+    assert "FAILED: the static decoder's logits are less accurate" in capsys.readouterr().out
