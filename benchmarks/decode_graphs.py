@@ -7,8 +7,9 @@ loop, on the bench's work: is it as accurate, and how much faster is sampling?
 For each of --batches batches (the bench's 8 prompts x G=8, max 5 new tokens, T=1), the same
 seed is sampled by the eager loop and by the static decoder. Per path, the error of the raw
 logits of the tokens it drew against the same forward in float64, teacher-forced; the
-static path must be as accurate as the eager one (numerics.as_accurate_bound; exit 1 if
-not). Reported besides: the batches whose completions came out identical (rounding in
+static path must be as accurate as the eager one (numerics.as_accurate_bound), and on a GPU
+the step must have been captured as a graph (a failed capture only warns, and the decoder
+runs its step without one): exit 1 if not. Reported besides: the batches whose completions came out identical (rounding in
 another order can turn a draw at the edge of a token's interval), the median time of a
 whole sample_group call per path after --warmup batches, the first graph call's time
 (the capture), and the speed-up. benchmarks/gpu_checks.sh runs it on the GPU machine.
@@ -124,10 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    failed = 0
     if worst[0] > 1:
         print("FAILED: the static decoder's logits are less accurate than the eager loop's")
-        return 1
-    return 0
+        failed = 1
+    if device.type == "cuda" and not result["graph"]:
+        print("FAILED: no CUDA graph was captured (see the RuntimeWarning above): this run "
+              "checked the static step without a graph")
+        failed = 1
+    return failed
 
 
 if __name__ == "__main__":

@@ -125,6 +125,10 @@ done
 run memory "$py" -m grpo_lab memory --device "$device" --profile "$profile" ${memory[@]+"${memory[@]}"}
 run decode-graphs "$py" benchmarks/decode_graphs.py --device "$device" --profile "$profile" \
   "${decode_graphs[@]}" --json "$out/decode_graphs.json"
+if [ "$device" = cuda ]; then  # float32 too: another attention kernel than bf16's
+  run decode-graphs-fp32 "$py" benchmarks/decode_graphs.py --device cuda --profile "$profile" \
+    --batches 10 --amp none --json "$out/decode_graphs_fp32.json"
+fi
 # the bench with the decode step as a CUDA graph (grpo_lab/graphs.py; off by default until a
 # GPU run has checked it: decode-graphs above); the step profile below runs without it
 run bench env GRPO_LAB_CUDA_GRAPHS="${BENCH_GRAPHS:-1}" "$py" -m grpo_lab bench --device "$device" \

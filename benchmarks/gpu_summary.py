@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         step_profile = {"wall_ms": figures["wall_ms"], "phases": {
             phase: {k: round(row[k], 2) for k in ("host_ms", "device_ms", "launches", "syncs")}
             for phase, row in figures["phases"].items()}}
-    decode_graphs = {}  # the decode step as a CUDA graph against the eager loop
-    graphs_file = args.out / "decode_graphs.json"
-    if graphs_file.exists():
-        decode_graphs = json.loads(graphs_file.read_text())
+    decode_graphs = {}  # the decode step as a CUDA graph against the eager loop, per amp
+    for path in sorted(args.out.glob("decode_graphs*.json")):
+        figures = json.loads(path.read_text())
+        decode_graphs[figures["amp"]] = figures
     bench_txt = args.out / "bench.txt"  # its first line is the command, with the graph switch
     switch = re.search(r"GRPO_LAB_CUDA_GRAPHS=(\d)", bench_txt.read_text()) \
         if bench_txt.exists() else None

@@ -9,8 +9,9 @@ reads and writes static buffers: the keys and values of every column a rollout c
 share a graph), the new token, its position and the key mask, set in place before each
 replay; the new column's keys and values are written into the cache inside the step
 (`fast.gpt2_forward`'s `write_at`). Finished rows stay in the batch, since a graph's shapes
-are fixed: they run on padding, and their logits are replaced by zeros as the eager loop's
-are, so every row draws as it would there.
+are fixed: they run on token id 0 (a real token: the pad id may lie outside the embedding,
+report 002), and their logits are replaced by zeros as the eager loop's are, so every row
+draws as it would there.
 
 GRPO_LAB_CUDA_GRAPHS=1 turns it on; off by default until a GPU run has checked it
 (benchmarks/decode_graphs.py, in benchmarks/gpu_checks.sh): the eager loop is the reference.
@@ -87,7 +88,8 @@ class StaticDecoder:
 
     def __init__(self, model, B: int, H: int, S: int, head: int, dtype: torch.dtype,
                  device: torch.device, graph: bool, amp: tuple[bool, torch.dtype]):
-        self.model, self.use_graph, self.amp = model, graph, amp
+        # weakly: _DECODERS holds decoders per model, weakly, so that they go with it
+        self.model_ref, self.use_graph, self.amp = weakref.ref(model), graph, amp
         layers = model.config.n_layer
         with torch.inference_mode():
             self.keys = [torch.zeros(B, H, S, head, dtype=dtype, device=device)
@@ -120,7 +122,7 @@ class StaticDecoder:
     def step(self, token: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         """(B,) the tokens just drawn, (B,) the rows that have finished -> (B, V) float32
         logits for the next token, zeros on the finished rows (the eager loop's stand-in)."""
-        self.token.copy_(token[:, None])
+        self.token.copy_(token.masked_fill(done, 0)[:, None])  # finished rows: id 0
         self.position.add_(1)
         self.column.add_(1)
         self.mask[:, self.written] = True
@@ -139,7 +141,7 @@ class StaticDecoder:
 
     def _forward(self) -> torch.Tensor:
         cache = list(zip(self.keys, self.values, strict=True))
-        logits, _ = gpt2_forward(self.model, self.token, self.mask, self.position, cache,
+        logits, _ = gpt2_forward(self.model_ref(), self.token, self.mask, self.position, cache,
                                  write_at=self.column)
         return logits  # (B, 1, V)
 
@@ -150,19 +152,37 @@ class StaticDecoder:
                               cache_enabled=False)
 
     def _capture(self) -> None:
-        """Record the step (warmed up twice on a side stream first, as CUDA graphs need).
-        A failure is a warning, and this decoder runs its step without a graph."""
+        """Record the step: warmed up twice on a side stream, as CUDA graphs need, then
+        captured on a stream of the decoder's device (a capture on another device's stream
+        records nothing), then replayed once against the warm-up's output. Any failure is a
+        warning, and this decoder runs its step without a graph."""
         device = self.token.device
         try:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), self._autocast():
-                for _ in range(2):  # both write the same column the replay writes again
-                    self._forward()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), self._autocast():
-                self.logits = self._forward()
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side), self._autocast():
+                    for _ in range(2):  # both write the column the replay writes again
+                        expected = self._forward()
+                torch.cuda.current_stream(device).wait_stream(side)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                # capture_begin/end by hand, not torch.cuda.graph: its __enter__ leaves its
+                # stream current for good when capture_begin raises
+                with torch.cuda.stream(torch.cuda.Stream(device)), self._autocast():
+                    graph.capture_begin()
+                    try:
+                        self.logits = self._forward()
+                    finally:
+                        graph.capture_end()
+                self.logits.fill_(float("nan"))
+                graph.replay()
+                # the same kernels on the same inputs: equal up to another GEMM algorithm's
+                # rounding (a few units of bf16's 2^-8), where a replay that ran nothing
+                # leaves NaN and one that read other inputs is off by the logits' own size
+                scale = expected.float().abs().max()
+                if not (self.logits.float() - expected.float()).abs().max() <= 0.05 * scale:
+                    raise RuntimeError("its first replay did not give the warm-up's logits")
             self.graph = graph
         except Exception as e:  # noqa: BLE001 - any capture failure: run without the graph
             self.use_graph = False

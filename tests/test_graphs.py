@@ -3,8 +3,10 @@ without a CUDA graph over the same static buffers a graph would replay; the grap
 checked on a GPU by benchmarks/decode_graphs.py (benchmarks/gpu_checks.sh)."""
 
 import copy
+import gc
 import importlib.util
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from grpo_lab.config import ConfigError
 from grpo_lab.fast import cached_forward
 from grpo_lab.numerics import as_accurate_bound
 from grpo_lab.objective import completion_logits, position_ids_from_mask
+from grpo_lab.policy import load_policy
 from grpo_lab.sampling import decode_loop, encode_prompts
 
 pytestmark = pytest.mark.numerics  # .ci/kernels runs this file under other CPU kernels
@@ -188,3 +191,38 @@ def test_the_gpu_runs_check_passes_the_decoder_and_fails_a_wrong_one(tmp_path, m
     monkeypatch.setattr(graphs.StaticDecoder, "step", off)
     assert script.main(["--batches", "2", "--warmup", "1"]) == 1
     assert "FAILED: the static decoder's logits are less accurate" in capsys.readouterr().out
+
+
+def test_finished_rows_never_look_up_the_pad_id(tiny):
+    """The eager loop drops a finished row; the static step keeps it and feeds it id 0, not
+    the pad id, which may lie outside the embedding (report 002): sampling then runs on as
+    the eager loop does, and its later failure is met where it would be without graphs."""
+    model, tok = tiny
+
+    class PadOutside:  # the tokenizer of report 002: pad id = the vocabulary's size
+        pad_token_id = model.get_input_embeddings().num_embeddings
+        eos_token_id = tok.eos_token_id
+
+    ids, mask = encode_prompts(tok, ["1+2=", "3+4="], torch.device("cpu"))  # no padding
+    ids, mask = ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
+    out = {}
+    for static in (False, True):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out[static] = decode_loop(model, PadOutside, ids, mask, 8, 8, 3.0, 0, 1.0, False,
+                                      static=static)
+    assert (out[True][0] == PadOutside.pad_token_id).any(), "no row finished early"
+    assert torch.equal(out[True][0], out[False][0])
+
+
+def test_decoders_go_with_their_model():
+    """A decoder holds its model weakly: a model no longer used is freed with its decoders
+    (on a GPU, their caches and graphs' memory)."""
+    model, tok = load_policy("cpu")  # a model of this test's own: nothing else holds it
+    graphs.static_decoder(model, prompt_cache(model, tok), 8, static=True)
+    held = len(graphs._DECODERS)
+    assert model in graphs._DECODERS
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None and len(graphs._DECODERS) == held - 1
