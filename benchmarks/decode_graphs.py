@@ -1,18 +1,20 @@
-"""The sampler's decode step replayed as a CUDA graph (grpo_lab/graphs.py) against the eager
-loop, on the bench's work: is it as accurate, and how much faster is sampling?
+"""GPT-2's inference forwards as CUDA graphs (grpo_lab/graphs.py) against the eager ones, on
+the bench's work: the sampler's decode step and the reference's forward. Are they as
+accurate, and how much faster?
 
     python benchmarks/decode_graphs.py --device cuda --profile gpu --amp bf16 --json F
-    python benchmarks/decode_graphs.py                   # CPU: the static step, no graph
+    python benchmarks/decode_graphs.py                   # CPU: the static buffers, no graph
 
 For each of --batches batches (the bench's 8 prompts x G=8, max 5 new tokens, T=1), the same
-seed is sampled by the eager loop and by the static decoder. Per path, the error of the raw
-logits of the tokens it drew against the same forward in float64, teacher-forced; the
-static path must be as accurate as the eager one (numerics.as_accurate_bound), and on a GPU
-the step must have been captured as a graph (a failed capture only warns, and the decoder
-runs its step without one): exit 1 if not. Reported besides: the batches whose completions came out identical (rounding in
-another order can turn a draw at the edge of a token's interval), the median time of a
-whole sample_group call per path after --warmup batches, the first graph call's time
-(the capture), and the speed-up. benchmarks/gpu_checks.sh runs it on the GPU machine.
+seed is sampled by the eager loop and by the static decoder, and the reference's forward is
+run eagerly and through graphed() on the eager loop's completions. Per path, the error of
+the logits of the drawn tokens against the same forward in float64, teacher-forced; each
+static path must be as accurate as its eager one (numerics.as_accurate_bound), and on a GPU
+each must have been captured as a graph (a failed capture only warns, and the computation
+runs without one): exit 1 if not. Reported besides: the batches whose completions came out
+identical (rounding in another order can turn a draw at the edge of a token's interval),
+the median time per path after --warmup batches, the first static call's time (the
+capture), and the speed-ups. benchmarks/gpu_checks.sh runs it on the GPU machine.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ import time
 
 import torch
 
-from grpo_lab import graphs
+from grpo_lab import fast, graphs
 from grpo_lab.numerics import as_accurate_bound
 from grpo_lab.objective import completion_logits
 from grpo_lab.policy import load_policy
 from grpo_lab.sampling import decode_loop, encode_prompts
 from grpo_lab.tasks import ProblemStream
 from grpo_lab.tools.bench import bench_config
+
+PARTS = ("sampler", "reference")
 
 
 def parse_args(argv):
@@ -48,6 +52,19 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+def reference_forward(model, ids, mask, C: int, static: bool) -> torch.Tensor:
+    """The reference's forward of fast.shared_prompt_logits (unscaled, T=1), eager or
+    through graphs.graphed (a CUDA graph on a GPU)."""
+    P = ids.shape[1] - C
+    distinct, row = torch.unique(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0,
+                                 return_inverse=True)
+    args = (ids, mask, distinct[:, :P], distinct[:, P:], row)
+    with torch.inference_mode():
+        if static:
+            return graphs.graphed(fast._logits_from_prompt_cache, model, *args, static=True)
+        return fast._logits_from_prompt_cache(model, *args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -58,13 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     model.to(device).eval()
     model64 = copy.deepcopy(model).double()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if args.amp == "bf16"
-           else contextlib.nullcontext())
+
+    def amp():
+        return (torch.autocast(device.type, dtype=torch.bfloat16) if args.amp == "bf16"
+                else contextlib.nullcontext())
+
+    def timed(part, static_path, i, fn, *fn_args, **fn_kwargs):
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*fn_args, **fn_kwargs)
+        sync()
+        seconds = time.perf_counter() - t0
+        first.setdefault((part, static_path), seconds)
+        if i >= args.warmup:
+            times[part, static_path].append(seconds)
+        return out
+
     stream = ProblemStream(0)
     G = cfg.group_size
-    times = {False: [], True: []}
-    errors = {False: [], True: []}
-    identical, first_graph_call, worst = 0, None, None
+    times = {(part, static): [] for part in PARTS for static in (False, True)}
+    first, errors, worst, identical = {}, {}, {part: (0.0, None) for part in PARTS}, 0
     for i in range(args.batches):
         prompts = [p.prompt for p in stream.sample(cfg.prompts_per_step)]
         ids, mask = encode_prompts(tok, prompts, device)
@@ -72,67 +102,71 @@ def main(argv: list[str] | None = None) -> int:
         out = {}
         for static in (False, True):
             torch.manual_seed(1000 + i)
-            sync()
-            t0 = time.perf_counter()
-            with torch.no_grad(), amp:
-                out[static] = decode_loop(model, tok, ids, mask, G, cfg.max_new_tokens,
-                                          cfg.temperature, cfg.top_k, cfg.top_p,
-                                          cfg.safe_sampling, static=static)
-            sync()
-            seconds = time.perf_counter() - t0
-            if static and first_graph_call is None:
-                first_graph_call = seconds
-            if i >= args.warmup:
-                times[static].append(seconds)
+            with torch.no_grad(), amp():
+                out[static] = timed("sampler", static, i, decode_loop, model, tok, ids, mask,
+                                    G, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
+                                    cfg.top_p, cfg.safe_sampling, static=static)
         identical += torch.equal(out[False][0], out[True][0])
-        scale, errs = 0.0, {}
+        found, scale = {}, 0.0  # per (part, static): the largest error of a drawn token
         for static, (completions, raw) in out.items():
             drawn = completions != tok.pad_token_id
+            full_ids = torch.cat([ids, completions], 1)
+            full_mask = torch.cat([mask, drawn.long()], 1)
+            C = completions.shape[1]
             with torch.no_grad():
-                truth = completion_logits(model64, torch.cat([ids, completions], 1),
-                                          torch.cat([mask, drawn.long()], 1),
-                                          completions.shape[1])
-            errs[static] = ((raw.double() - truth).abs() * drawn[..., None]).max().item()
+                truth = completion_logits(model64, full_ids, full_mask, C)
             scale = max(scale, truth.abs().max().item())
-        for static in errs:
-            errors[static].append(errs[static])
-        excess = errs[True] / as_accurate_bound(errs[False], scale)
-        if worst is None or excess > worst[0]:
-            worst = (excess, i, errs[False], errs[True])
-    eager, static = statistics.median(times[False]), statistics.median(times[True])
-    decoders = graphs._DECODERS.get(model, {})
-    result = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "profile": args.profile, "amp": args.amp, "batches": args.batches,
-        "graph": any(d.use_graph and d.graph is not None for d in decoders.values()),
-        "decoders": len(decoders),
-        "identical_completions": identical,
-        "max_error_eager": max(errors[False]), "max_error_static": max(errors[True]),
-        "worst_error_over_bound": worst[0],
-        "eager_ms": 1e3 * eager, "static_ms": 1e3 * static, "speedup": eager / static,
-        "first_static_call_ms": 1e3 * first_graph_call,
-    }
+            found["sampler", static] = ((raw.double() - truth).abs() * drawn[..., None]).max()
+            if not static:  # the reference's forward, both ways, on the eager loop's rows
+                for ref_static in (False, True):
+                    with amp():
+                        logits = timed("reference", ref_static, i, reference_forward, model,
+                                       full_ids, full_mask, C, ref_static)
+                    found["reference", ref_static] = (
+                        (logits.double() - truth).abs() * drawn[..., None]).max()
+        for (part, static), err in found.items():
+            errors.setdefault((part, static), []).append(err.item())
+        for part in PARTS:
+            excess = found[part, True].item() / as_accurate_bound(found[part, False].item(), scale)
+            worst[part] = max(worst[part], (excess, i), key=lambda w: w[0])
+    kept = graphs._KEPT.get(model, {}).values()
+    captured = {"sampler": [g.run.graph is not None for g in kept
+                            if isinstance(g, graphs.StaticDecoder)],
+                "reference": [g.run.graph is not None for g in kept
+                              if isinstance(g, graphs.GraphedCall)]}
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "profile": args.profile, "amp": args.amp, "batches": args.batches,
+              "identical_completions": identical}
     print(f"{args.batches} batches of {len(ids)} rows, {args.profile} profile, {args.device}, "
-          f"amp {args.amp}; static decoder {'as a CUDA graph' if result['graph'] else 'without a graph'}"
-          f" ({result['decoders']} kept)")
-    print(f"identical completions: {identical} of {args.batches} batches")
-    print(f"largest error of a drawn token's raw logit against float64: eager "
-          f"{result['max_error_eager']:.3g}, static {result['max_error_static']:.3g}; the "
-          f"static one at most {worst[0]:.2f} of its bound (batch {worst[1]})")
-    print(f"sample time, median of {len(times[False])} batches: eager {result['eager_ms']:.1f} "
-          f"ms, static {result['static_ms']:.1f} ms, speed-up {result['speedup']:.2f} x "
-          f"(first static call, with the capture: {result['first_static_call_ms']:.0f} ms)")
+          f"amp {args.amp}; identical completions in {identical} of them")
+    failed = 0
+    for part in PARTS:
+        eager, static = (statistics.median(times[part, s]) for s in (False, True))
+        result[part] = {
+            "graphs": sum(captured[part]), "kept": len(captured[part]),
+            "max_error_eager": max(errors[part, False]),
+            "max_error_static": max(errors[part, True]),
+            "worst_error_over_bound": worst[part][0],
+            "eager_ms": 1e3 * eager, "static_ms": 1e3 * static, "speedup": eager / static,
+            "first_static_call_ms": 1e3 * first[part, True]}
+        r = result[part]
+        print(f"{part}: {r['graphs']} of {r['kept']} kept as CUDA graphs; largest error of a "
+              f"drawn token's logit against float64: eager {r['max_error_eager']:.3g}, static "
+              f"{r['max_error_static']:.3g} (at most {r['worst_error_over_bound']:.2f} of its "
+              f"bound, batch {worst[part][1]}); median of {len(times[part, False])}: eager "
+              f"{r['eager_ms']:.1f} ms, static {r['static_ms']:.1f} ms, speed-up "
+              f"{r['speedup']:.2f} x (first static call, with the capture: "
+              f"{r['first_static_call_ms']:.0f} ms)")
+        if r["worst_error_over_bound"] > 1:
+            print(f"FAILED: the {part}'s static path is less accurate than its eager one")
+            failed = 1
+        if device.type == "cuda" and (not captured[part] or not all(captured[part])):
+            print(f"FAILED: the {part}'s forward was not captured as a CUDA graph (see the "
+                  "RuntimeWarning above): this run checked it without a graph")
+            failed = 1
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    failed = 0
-    if worst[0] > 1:
-        print("FAILED: the static decoder's logits are less accurate than the eager loop's")
-        failed = 1
-    if device.type == "cuda" and not result["graph"]:
-        print("FAILED: no CUDA graph was captured (see the RuntimeWarning above): this run "
-              "checked the static step without a graph")
-        failed = 1
     return failed
 
 

@@ -39,12 +39,15 @@ def shared_prompt_logits(
     completion_length: int,
     temperature: float = 1.0,
     logit_clamp: float | None = None,
+    run_forward=None,
 ) -> torch.Tensor:
     """`objective.completion_logits`, with each distinct prompt run once: (B, T) -> (B, C, V).
 
     The same logits and gradients up to float rounding. Needs the KV cache, so it falls
     back to the plain forward when the model returns none (activation checkpointing in
-    train mode) or when no prompt repeats."""
+    train mode) or when no prompt repeats. `run_forward`, for gpt2_forward's models: called
+    as run_forward(fn, model, *tensors) to run the forward from the distinct prompts
+    (`graphs.graphed`: as a CUDA graph where that applies); None: fn(model, *tensors)."""
     C = completion_length
     P = input_ids.shape[1] - C
     if P > 0:
@@ -53,19 +56,22 @@ def shared_prompt_logits(
             torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True
         )  # (U, 2P), (B,)
         if len(prompts) < len(input_ids):
-            logits = _logits_from_prompt_cache(
-                model, input_ids, attention_mask, C, prompts[:, :P], prompts[:, P:], row_prompt
-            )
+            args = (input_ids, attention_mask, prompts[:, :P], prompts[:, P:], row_prompt)
+            if run_forward is not None and writes_out(model):
+                logits = run_forward(_logits_from_prompt_cache, model, *args)
+            else:
+                logits = _logits_from_prompt_cache(model, *args)
             if logits is not None:
                 return scale_logits(logits, temperature, logit_clamp)
     return completion_logits(model, input_ids, attention_mask, C, temperature, logit_clamp)
 
 
-def _logits_from_prompt_cache(model, input_ids, attention_mask, C, prompt_ids, prompt_mask,
+def _logits_from_prompt_cache(model, input_ids, attention_mask, prompt_ids, prompt_mask,
                               row_prompt) -> torch.Tensor | None:
     """(B, C, V) unscaled completion logits, each of the U distinct prompts run once; None
     when the model returns no KV cache."""
     P = prompt_ids.shape[1]
+    C = input_ids.shape[1] - P
     forward = cached_forward(model)
     logits, cache = forward(prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask))
     if cache is None:

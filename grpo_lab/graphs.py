@@ -1,22 +1,31 @@
-"""The sampler's one-token decode step over a static cache, replayed as a CUDA graph.
+"""GPT-2's inference forwards replayed as CUDA graphs: the sampler's one-token decode step,
+and the reference's forward.
 
-On a GPU, a decode step of a small batch waits on the host, not on the card: each of GPT-2's
-~17 operators per layer is a kernel launch issued from Python, and the kernels run in less
-time than their launches take (benchmarks/step_profile.py). A CUDA graph records a step's
-launches once and replays them all with one call. It replays fixed addresses, so the step
-reads and writes static buffers: the keys and values of every column a rollout can reach
-(prompt + max_new_tokens - 1, rounded up to a multiple of 8 so that prompts of nearby lengths
-share a graph), the new token, its position and the key mask, set in place before each
-replay; the new column's keys and values are written into the cache inside the step
-(`fast.gpt2_forward`'s `write_at`). Finished rows stay in the batch, since a graph's shapes
-are fixed: they run on token id 0 (a real token: the pad id may lie outside the embedding,
-report 002), and their logits are replaced by zeros as the eager loop's are, so every row
-draws as it would there.
+On a GPU the course's small batches wait on the host, not on the card: each of GPT-2's ~17
+operators per layer is a kernel launch issued from Python, and the kernels run in less
+time than their launches take (benchmarks/step_profile.py; on GPT-2 124M the sampler is
+about 36% of a step's operators and the reference's forward 13%). A CUDA graph records the
+launches of a computation once and replays them all with one call. It replays fixed
+addresses, so the computation reads and writes static buffers, set in place before each
+replay (`Recorded` captures and replays; a failed capture warns, and the computation then
+runs as it is).
 
-GRPO_LAB_CUDA_GRAPHS=1 turns it on; off by default until a GPU run has checked it
-(benchmarks/decode_graphs.py, in benchmarks/gpu_checks.sh): the eager loop is the reference.
-On the CPU the same decoder runs its step without a graph, which is how tests/test_graphs.py
-checks the static buffers against the eager loop.
+- The decode step (`static_decoder`, `StaticDecoder`): the keys and values of every column
+  a rollout can reach (prompt + max_new_tokens - 1, rounded up to a multiple of 8 so that
+  prompts of nearby lengths share a graph), the new token, its position and the key mask;
+  the new column's keys and values are written into the cache inside the step
+  (`fast.gpt2_forward`'s `write_at`). Finished rows stay in the batch, since a graph's
+  shapes are fixed: they run on token id 0 (a real token: the pad id may lie outside the
+  embedding, report 002), and their logits are replaced by zeros as the eager loop's are, so
+  every row draws as it would there.
+- The reference's forward (`graphed`): fast.shared_prompt_logits' forward from the distinct
+  prompts (found on the host first: their number decides the shapes), over static copies of
+  its inputs, one graph per set of input shapes.
+
+GRPO_LAB_CUDA_GRAPHS=1 turns them on; off by default until a GPU run has checked them
+(benchmarks/decode_graphs.py, in benchmarks/gpu_checks.sh): the eager forwards are the
+reference. On the CPU the same code runs over the same static buffers without a graph
+(`static=True`), which is how tests/test_graphs.py checks the buffers against the eager path.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ from .fast import _global_hooks, gpt2_forward
 
 GRAPHS_ENV = "GRPO_LAB_CUDA_GRAPHS"
 COLUMN_MULTIPLE = 8  # the cache's columns rounded up to this: fewer distinct graphs
-KEPT_PER_MODEL = 4  # decoders kept per model; each holds its cache and its graph's memory
+# graphs kept per model (decoders and forwards; each holds its buffers and its graph's
+# memory): the reference's forward has one per prompt length x completion length
+KEPT_PER_MODEL = 16
 
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: decoder}
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: graph}
 
 
 def graphs_wanted() -> bool:
@@ -53,6 +64,99 @@ def _hooked(model: torch.nn.Module) -> bool:
         for m in model.modules())
 
 
+def _applies(model, device: torch.device, static: bool | None) -> bool:
+    """Whether a static version runs: `static` when given, else a GPU with
+    GRPO_LAB_CUDA_GRAPHS=1 and no hook on the model."""
+    if static is not None:
+        return static
+    return graphs_wanted() and device.type == "cuda" and not _hooked(model)
+
+
+def _kept(model, key: tuple, build):
+    """The graph kept for (model, key), built by build() the first time; at most
+    KEPT_PER_MODEL per model, the least recently used dropped first. The key holds the
+    parameters' addresses (a graph reads them there: new tensors, a reload, need a new one)
+    and the autocast state (a graph records the casts)."""
+    device = next(model.parameters()).device
+    amp = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+    key = (*key, amp, tuple(p.data_ptr() for p in model.parameters()))
+    kept = _KEPT.setdefault(model, OrderedDict())
+    if key not in kept:
+        kept[key] = build(amp)
+        while len(kept) > KEPT_PER_MODEL:
+            kept.popitem(last=False)
+    kept.move_to_end(key)
+    return kept[key]
+
+
+class Recorded:
+    """forward() (a function of static buffers, returning a tensor) as a CUDA graph: captured
+    at the first call, replayed after; with graph=False, or after a failed capture, called
+    as it is. Either way the output is one buffer that the next call overwrites, as a
+    replay's is (the graph's own memory): read it, or copy it, before the next call."""
+
+    def __init__(self, forward, device: torch.device, amp: tuple[bool, torch.dtype],
+                 graph: bool):
+        self.forward, self.device, self.amp, self.use_graph = forward, device, amp, graph
+        self.graph, self.output = None, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.use_graph and self.graph is None:
+            self._capture()
+        if self.graph is None:
+            out = self.forward()
+            if self.output is None or self.output.shape != out.shape:
+                self.output = torch.empty_like(out)
+            return self.output.copy_(out)  # a replay's semantics, also on the CPU (tests)
+        self.graph.replay()
+        return self.output
+
+    def _autocast(self):
+        enabled, dtype = self.amp
+        # a graph records the casts of the weights: autocast's cache of them must be off
+        return torch.autocast(self.device.type, dtype=dtype, enabled=enabled,
+                              cache_enabled=False)
+
+    def _capture(self) -> None:
+        """Warm up twice on a side stream, as CUDA graphs need; capture on a stream of the
+        buffers' device (a capture on another device's stream records nothing); replay
+        once against the warm-up's output. Any failure is a warning, and forward() then
+        runs as it is."""
+        device = self.device
+        try:
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side), self._autocast():
+                    for _ in range(2):  # each writes what the replay writes again
+                        expected = self.forward()
+                torch.cuda.current_stream(device).wait_stream(side)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                # capture_begin/end by hand, not torch.cuda.graph: its __enter__ leaves its
+                # stream current for good when capture_begin raises
+                with torch.cuda.stream(torch.cuda.Stream(device)), self._autocast():
+                    graph.capture_begin()
+                    try:
+                        self.output = self.forward()
+                    finally:
+                        graph.capture_end()
+                self.output.fill_(float("nan"))
+                graph.replay()
+                # the same kernels on the same inputs: equal up to another GEMM algorithm's
+                # rounding (a few units of bf16's 2^-8), where a replay that ran nothing
+                # leaves NaN and one that read other inputs is off by the output's own size
+                scale = expected.float().abs().max()
+                if not (self.output.float() - expected.float()).abs().max() <= 0.05 * scale:
+                    raise RuntimeError("its first replay did not give the warm-up's output")
+            self.graph = graph
+        except Exception as e:  # noqa: BLE001 - any capture failure: run without the graph
+            self.use_graph, self.output = False, None
+            warnings.warn(f"{GRAPHS_ENV}=1: a forward could not be captured as a CUDA graph "
+                          f"({type(e).__name__}: {e}); it runs without one", RuntimeWarning,
+                          stacklevel=4)
+
+
 def static_decoder(model, cache, columns: int, static: bool | None = None):
     """The StaticDecoder for this model and batch, or None where the eager loop runs.
 
@@ -62,24 +166,15 @@ def static_decoder(model, cache, columns: int, static: bool | None = None):
     environment (a CUDA graph on a GPU with GRPO_LAB_CUDA_GRAPHS=1, no hook on the model);
     True: a static decoder anyway (a graph on a GPU, the plain step on the CPU); False: None.
     """
-    if static is False or not isinstance(cache, list):
+    if not isinstance(cache, list):
         return None
     k = cache[0][0]
-    if static is None and not (graphs_wanted() and k.is_cuda and not _hooked(model)):
+    if not _applies(model, k.device, static):
         return None
     B, H, _, head = k.shape
     S = -(-columns // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
-    amp = (torch.is_autocast_enabled(k.device.type), torch.get_autocast_dtype(k.device.type))
-    # the parameters' addresses: a graph reads them, so new tensors (a reload) need a new one
-    key = (B, H, S, head, k.dtype, k.device, amp, tuple(p.data_ptr() for p in model.parameters()))
-    kept = _DECODERS.setdefault(model, OrderedDict())
-    if key not in kept:
-        kept[key] = StaticDecoder(model, B, H, S, head, k.dtype, k.device, graph=k.is_cuda,
-                                  amp=amp)
-        while len(kept) > KEPT_PER_MODEL:
-            kept.popitem(last=False)
-    kept.move_to_end(key)
-    return kept[key]
+    return _kept(model, ("decoder", B, H, S, head, k.dtype, k.device), lambda amp: StaticDecoder(
+        model, B, H, S, head, k.dtype, k.device, graph=k.is_cuda, amp=amp))
 
 
 class StaticDecoder:
@@ -88,8 +183,8 @@ class StaticDecoder:
 
     def __init__(self, model, B: int, H: int, S: int, head: int, dtype: torch.dtype,
                  device: torch.device, graph: bool, amp: tuple[bool, torch.dtype]):
-        # weakly: _DECODERS holds decoders per model, weakly, so that they go with it
-        self.model_ref, self.use_graph, self.amp = weakref.ref(model), graph, amp
+        # weakly: _KEPT holds the decoders per model, weakly, so that they go with it
+        self.model_ref, self.amp = weakref.ref(model), amp
         layers = model.config.n_layer
         with torch.inference_mode():
             self.keys = [torch.zeros(B, H, S, head, dtype=dtype, device=device)
@@ -99,7 +194,8 @@ class StaticDecoder:
             self.position = torch.zeros(B, 1, dtype=torch.long, device=device)
             self.mask = torch.zeros(B, S, dtype=torch.bool, device=device)
             self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self.graph, self.logits, self.written = None, None, 0
+        self.written = 0
+        self.run = Recorded(self._forward, device, amp, graph)
 
     @torch.inference_mode()
     def start(self, cache, prompt_mask: torch.Tensor, position: torch.Tensor) -> None:
@@ -127,17 +223,7 @@ class StaticDecoder:
         self.column.add_(1)
         self.mask[:, self.written] = True
         self.written += 1
-        if not self.use_graph:
-            logits = self._forward()
-        else:
-            if self.graph is None:
-                self._capture()
-            if self.graph is not None:
-                self.graph.replay()
-                logits = self.logits
-            else:  # the capture failed: the same step without a graph
-                logits = self._forward()
-        return logits[:, -1].float().masked_fill(done[:, None], 0.0)
+        return self.run()[:, -1].float().masked_fill(done[:, None], 0.0)
 
     def _forward(self) -> torch.Tensor:
         cache = list(zip(self.keys, self.values, strict=True))
@@ -145,47 +231,33 @@ class StaticDecoder:
                                  write_at=self.column)
         return logits  # (B, 1, V)
 
-    def _autocast(self):
-        enabled, dtype = self.amp
-        # a graph records the casts of the weights: autocast's cache of them must be off
-        return torch.autocast(self.token.device.type, dtype=dtype, enabled=enabled,
-                              cache_enabled=False)
 
-    def _capture(self) -> None:
-        """Record the step: warmed up twice on a side stream, as CUDA graphs need, then
-        captured on a stream of the decoder's device (a capture on another device's stream
-        records nothing), then replayed once against the warm-up's output. Any failure is a
-        warning, and this decoder runs its step without a graph."""
-        device = self.token.device
-        try:
-            with torch.cuda.device(device):
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side), self._autocast():
-                    for _ in range(2):  # both write the column the replay writes again
-                        expected = self._forward()
-                torch.cuda.current_stream(device).wait_stream(side)
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                # capture_begin/end by hand, not torch.cuda.graph: its __enter__ leaves its
-                # stream current for good when capture_begin raises
-                with torch.cuda.stream(torch.cuda.Stream(device)), self._autocast():
-                    graph.capture_begin()
-                    try:
-                        self.logits = self._forward()
-                    finally:
-                        graph.capture_end()
-                self.logits.fill_(float("nan"))
-                graph.replay()
-                # the same kernels on the same inputs: equal up to another GEMM algorithm's
-                # rounding (a few units of bf16's 2^-8), where a replay that ran nothing
-                # leaves NaN and one that read other inputs is off by the logits' own size
-                scale = expected.float().abs().max()
-                if not (self.logits.float() - expected.float()).abs().max() <= 0.05 * scale:
-                    raise RuntimeError("its first replay did not give the warm-up's logits")
-            self.graph = graph
-        except Exception as e:  # noqa: BLE001 - any capture failure: run without the graph
-            self.use_graph = False
-            warnings.warn(f"{GRAPHS_ENV}=1: the decode step could not be captured as a CUDA "
-                          f"graph ({type(e).__name__}: {e}); sampling runs it without one",
-                          RuntimeWarning, stacklevel=3)
+def graphed(fn, model, *tensors: torch.Tensor, static: bool | None = None) -> torch.Tensor:
+    """fn(model, *tensors) -> a tensor, as a CUDA graph per set of input shapes where graphs
+    apply (`_applies`; and only outside autograd: a replay records no graph for backward),
+    else fn(model, *tensors) itself. The graph runs over static copies of the inputs, and
+    its output is returned as a copy. `fn` must be a function of its tensors' values that
+    reads nothing back to the host."""
+    if torch.is_grad_enabled() or not _applies(model, tensors[0].device, static):
+        return fn(model, *tensors)
+    key = (fn, *((t.shape, t.dtype, t.device) for t in tensors))
+    call = _kept(model, key, lambda amp: GraphedCall(fn, model, tensors, amp))
+    return call(*tensors)
+
+
+class GraphedCall:
+    """fn(model, *inputs) for one set of input shapes, over static copies of the inputs."""
+
+    def __init__(self, fn, model, tensors, amp: tuple[bool, torch.dtype]):
+        model_ref = weakref.ref(model)  # weakly, as StaticDecoder
+        with torch.inference_mode():
+            self.inputs = [torch.empty_like(t) for t in tensors]
+        device = tensors[0].device
+        self.run = Recorded(lambda: fn(model_ref(), *self.inputs), device, amp,
+                            graph=device.type == "cuda")
+
+    @torch.inference_mode()
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        for static, t in zip(self.inputs, tensors, strict=True):
+            static.copy_(t)
+        return self.run().clone()

@@ -38,6 +38,7 @@ import torch
 from . import distributed, naive
 from .config import GRPOConfig
 from .fast import shared_prompt_logits
+from .graphs import graphed
 from .health import Snapshot, all_finite, first_nonfinite_grad, nonfinite_params
 from .objective import (
     clipped_surrogate,
@@ -237,7 +238,9 @@ def make_batch(run: Run, problems: list[Problem], sample_fn: Callable | None = N
         # inference mode: no autograd bookkeeping at all (~1% of a step on the tiny model);
         # the log-probs are taken outside it, so the loss gets an ordinary tensor
         with torch.inference_mode(), autocast(run):
-            forward = shared_prompt_logits if run.fast else completion_logits
+            # graphed: a CUDA graph on a GPU with GRPO_LAB_CUDA_GRAPHS=1 (graphs.py)
+            forward = (partial(shared_prompt_logits, run_forward=graphed) if run.fast
+                       else completion_logits)
             logits = forward(run.reference, rollout.input_ids, rollout.attention_mask,
                              rollout.completion_length, cfg.temperature,
                              cfg.logit_clamp)  # (B, C, V)

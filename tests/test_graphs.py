@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_lab import graphs
+from grpo_lab import fast, graphs
 from grpo_lab.config import ConfigError
 from grpo_lab.fast import cached_forward
 from grpo_lab.numerics import as_accurate_bound
@@ -69,12 +69,12 @@ def test_a_reused_decoder_keeps_nothing_of_the_last_rollout(tiny):
     even NaN, must not reach it (a masked key's weight is 0, and 0 x NaN is NaN)."""
     model, tok = tiny
     _, _, first, raw_first = decode(model, tok, static=True, seed=0)
-    decoder = next(iter(graphs._DECODERS[model].values()))
+    decoder = next(iter(graphs._KEPT[model].values()))
     with torch.inference_mode():  # the buffers are inference tensors
         for t in decoder.keys + decoder.values:
             t.fill_(float("nan"))
     _, _, again, raw_again = decode(model, tok, static=True, seed=0)
-    assert next(iter(graphs._DECODERS[model].values())) is decoder  # reused, not rebuilt
+    assert next(iter(graphs._KEPT[model].values())) is decoder  # reused, not rebuilt
     assert torch.equal(again, first) and torch.equal(raw_again, raw_first)
 
 
@@ -109,14 +109,14 @@ def test_which_decoder_the_environment_gets(tiny, monkeypatch):
     assert graphs.static_decoder(model, cache, 10, static=False) is None
     assert graphs.static_decoder(model, object(), 10, static=True) is None
     decoder = graphs.static_decoder(model, cache, 10, static=True)
-    assert not decoder.use_graph and decoder.keys[0].shape[2] == 16  # 10 rounded up to 16
+    assert not decoder.run.use_graph and decoder.keys[0].shape[2] == 16  # 10 rounded up to 16
     assert graphs.static_decoder(model, cache, 13, static=True) is decoder  # also 16
 
 
 def test_decoders_follow_the_parameters_and_stay_few(tiny):
     """A decoder is kept per batch shape and per set of parameter tensors (a graph reads
     the parameters where they were at capture: new tensors need a new one), at most
-    KEPT_PER_MODEL per model."""
+    KEPT_PER_MODEL graphs per model."""
     model, tok = tiny
     cache = prompt_cache(model, tok)
     first = graphs.static_decoder(model, cache, 8, static=True)
@@ -128,9 +128,9 @@ def test_decoders_follow_the_parameters_and_stay_few(tiny):
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(p.detach().clone()))
     assert graphs.static_decoder(model, cache, 8, static=True) is not first
-    for columns in (16, 24, 32, 40, 48):
-        graphs.static_decoder(model, cache, columns, static=True)
-    assert len(graphs._DECODERS[model]) == graphs.KEPT_PER_MODEL
+    for i in range(graphs.KEPT_PER_MODEL + 1):
+        graphs.static_decoder(model, cache, 16 + 8 * i, static=True)
+    assert len(graphs._KEPT[model]) == graphs.KEPT_PER_MODEL
 
 
 def test_a_hook_on_any_module_keeps_graphs_off(tiny):
@@ -160,7 +160,7 @@ def test_under_bf16_autocast_the_cache_is_bf16_and_as_accurate(tiny):
                                       torch.cat([mask, drawn.long()], 1), drawn_ids.shape[1])
         errors[static] = ((raw.double() - truth).abs() * drawn[..., None]).max().item()
         scale = max(scale, truth.abs().max().item())
-    decoder = next(iter(graphs._DECODERS[model].values()))
+    decoder = next(iter(graphs._KEPT[model].values()))
     assert decoder.keys[0].dtype == torch.bfloat16 and decoder.amp == (True, torch.bfloat16)
     assert errors[True] <= as_accurate_bound(errors[False], scale), errors
 
@@ -172,25 +172,27 @@ def load_script():
     return module
 
 
-def test_the_gpu_runs_check_passes_the_decoder_and_fails_a_wrong_one(tmp_path, monkeypatch,
-                                                                       capsys):
-    """benchmarks/decode_graphs.py (the GPU run's check, here without a graph): exit 0 and
-    its figures for the decoder as it is; exit 1 for one whose logits are off by a rounding
-    error's size many times over."""
+def test_the_gpu_runs_check_passes_the_graphs_and_fails_wrong_ones(tmp_path, monkeypatch,
+                                                                   capsys):
+    """benchmarks/decode_graphs.py (the GPU run's check, here without graphs): exit 0 and its
+    figures for the sampler and the reference's forward as they are; exit 1, naming the
+    part, for one whose logits are off by a rounding error's size many times over."""
     script = load_script()
     out = tmp_path / "graphs.json"
     assert script.main(["--batches", "2", "--warmup", "1", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
-    assert figures["identical_completions"] == 2 and not figures["graph"]
-    assert 0 < figures["worst_error_over_bound"] <= 1 and figures["speedup"] > 0
-    step = graphs.StaticDecoder.step
-
-    def off(self, token, done):
-        return step(self, token, done) * (1 + 1e-4)
-
-    monkeypatch.setattr(graphs.StaticDecoder, "step", off)
-    assert script.main(["--batches", "2", "--warmup", "1"]) == 1
-    assert "FAILED: the static decoder's logits are less accurate" in capsys.readouterr().out
+    assert figures["identical_completions"] == 2
+    for part in ("sampler", "reference"):
+        assert figures[part]["kept"] >= 1 and figures[part]["graphs"] == 0, figures[part]
+        assert 0 < figures[part]["worst_error_over_bound"] <= 1, figures[part]
+    wrong = {"sampler": (graphs.StaticDecoder, "step"), "reference": (graphs.GraphedCall,
+                                                                      "__call__")}
+    for part, (cls, name) in wrong.items():
+        right = getattr(cls, name)
+        with monkeypatch.context() as m:
+            m.setattr(cls, name, lambda self, *a, right=right: right(self, *a) * (1 + 1e-4))
+            assert script.main(["--batches", "2", "--warmup", "1"]) == 1
+        assert f"FAILED: the {part}'s static path is less accurate" in capsys.readouterr().out
 
 
 def test_finished_rows_never_look_up_the_pad_id(tiny):
@@ -215,14 +217,77 @@ def test_finished_rows_never_look_up_the_pad_id(tiny):
     assert torch.equal(out[True][0], out[False][0])
 
 
-def test_decoders_go_with_their_model():
-    """A decoder holds its model weakly: a model no longer used is freed with its decoders
-    (on a GPU, their caches and graphs' memory)."""
+def test_graphs_go_with_their_model():
+    """A decoder and a graphed forward hold their model weakly: a model no longer used is
+    freed with them (on a GPU, their buffers and graphs' memory)."""
+    gc.collect()  # the models of earlier tests, dead already, out of the count
     model, tok = load_policy("cpu")  # a model of this test's own: nothing else holds it
     graphs.static_decoder(model, prompt_cache(model, tok), 8, static=True)
-    held = len(graphs._DECODERS)
-    assert model in graphs._DECODERS
+    inputs, _ = reference_inputs(model, tok)
+    with torch.inference_mode():
+        graphs.graphed(fast._logits_from_prompt_cache, model, *inputs, static=True)
+    assert {type(g) for g in graphs._KEPT[model].values()} == {graphs.StaticDecoder,
+                                                             graphs.GraphedCall}
+    held = len(graphs._KEPT)
+    assert model in graphs._KEPT
     alive = weakref.ref(model)
     del model
     gc.collect()
-    assert alive() is None and len(graphs._DECODERS) == held - 1
+    assert alive() is None and len(graphs._KEPT) == held - 1
+
+
+def reference_inputs(model, tok, prompts=PROMPTS, group=4, seed=0):
+    """A rollout's (ids, mask) and its distinct prompts, as shared_prompt_logits finds them,
+    and the completions' width."""
+    ids, mask, completions, _ = decode(model, tok, static=False, seed=seed, group=group)
+    ids = torch.cat([ids, completions], 1)
+    mask = torch.cat([mask, (completions != tok.pad_token_id).long()], 1)
+    P = ids.shape[1] - completions.shape[1]
+    distinct, row_prompt = torch.unique(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0,
+                                        return_inverse=True)
+    return (ids, mask, distinct[:, :P], distinct[:, P:], row_prompt), completions.shape[1]
+
+
+def test_the_reference_forward_over_static_inputs(tiny):
+    """graphed(): the reference's forward over static copies of its inputs gives what the
+    forward gives (bit for bit: the same shapes, the same kernels), returns a copy that the
+    next call does not overwrite, keeps one per set of input shapes, and under autograd
+    runs the forward itself (a replay records nothing for backward)."""
+    model, tok = tiny
+    first, C = reference_inputs(model, tok, seed=0)
+    ids = first[0].clone()
+    ids[:, -C:] = ids[:, -C:].flip(0)  # other completions, the same shapes
+    second = (ids, *first[1:])
+    third, _ = reference_inputs(model, tok, seed=0, group=2)  # fewer rows
+    forward = fast._logits_from_prompt_cache
+    with torch.inference_mode():
+        expected = [forward(model, *a) for a in (first, second, third)]
+        got = [graphs.graphed(forward, model, *a, static=True) for a in (first, second)]
+        kept = len(graphs._KEPT[model])
+        got.append(graphs.graphed(forward, model, *third, static=True))
+    assert len(graphs._KEPT[model]) == kept + 1  # one per set of input shapes
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert not torch.equal(got[0], got[1])  # the first result is a copy the second left alone
+    with torch.enable_grad():
+        trained = graphs.graphed(forward, model, *first, static=True)
+    assert trained.requires_grad and len(graphs._KEPT[model]) == kept + 1
+
+
+def test_the_reference_forward_takes_the_graph_where_it_applies(tiny, monkeypatch):
+    """The step's reference forward runs through graphed() (a CUDA graph on a GPU with
+    GRPO_LAB_CUDA_GRAPHS=1: here made to apply on the CPU) and gives the same logits."""
+    from grpo_lab.config import preset
+    from grpo_lab.step import make_batch
+    from grpo_lab.trainer import Trainer
+
+    batches = []
+    for applies in (False, True):
+        run = Trainer(preset("stable", steps=1, eval_every=0, eval_size=16)).run
+        problems = run.stream.sample(run.cfg.prompts_per_step)
+        monkeypatch.setattr(graphs, "_applies", lambda m, d, static, a=applies: a)
+        torch.manual_seed(0)
+        batches.append(make_batch(run, problems))
+        kept = graphs._KEPT.get(run.reference, {}).values()
+        assert any(isinstance(g, graphs.GraphedCall) for g in kept) == applies
+    assert torch.equal(batches[0].rollout.input_ids, batches[1].rollout.input_ids)
+    assert torch.equal(batches[0].ref_logp, batches[1].ref_logp)
