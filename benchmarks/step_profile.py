@@ -35,7 +35,8 @@ PHASES = {"sample_group": "sample", "checked_rewards": "rewards",
           "accumulate": "loss and backward", "_training_logits": "training forward",
           "check_health": "health check", "step_metrics": "metrics"}
 FORWARDS = ("shared_prompt_logits", "completion_logits")  # the reference's, outside autograd
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+            "cudaGraphLaunch")  # a CUDA graph's replay: one launch for all its kernels
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 COPIES = ("cudaMemcpy", "cudaMemcpyAsync")
 

@@ -114,15 +114,22 @@ def test_which_decoder_the_environment_gets(tiny, monkeypatch):
 
 
 def test_decoders_follow_the_parameters_and_stay_few(tiny):
-    """A decoder is kept per batch shape and per set of parameter tensors (a graph reads
-    the parameters where they were at capture: new tensors need a new one), at most
-    KEPT_PER_MODEL graphs per model."""
+    """A decoder is kept per batch shape, per set of parameter tensors (a graph reads the
+    parameters where they were at capture: new tensors need a new one) and per set of
+    modules (a graph replays the modules it recorded), at most KEPT_PER_MODEL per model."""
     model, tok = tiny
     cache = prompt_cache(model, tok)
     first = graphs.static_decoder(model, cache, 8, static=True)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.0)  # in place: the same tensors
+    assert graphs.static_decoder(model, cache, 8, static=True) is first
+    mlp = model.transformer.h[0].mlp
+    act = mlp.act
+    mlp.act = copy.deepcopy(act)  # a module swapped in, no parameter moved (fuse_gelu's kind)
+    swapped = graphs.static_decoder(model, cache, 8, static=True)
+    assert swapped is not first
+    mlp.act = act
     assert graphs.static_decoder(model, cache, 8, static=True) is first
     for name, p in list(model.named_parameters()):
         module_name, _, attr = name.rpartition(".")
@@ -249,10 +256,11 @@ def reference_inputs(model, tok, prompts=PROMPTS, group=4, seed=0):
 
 
 def test_the_reference_forward_over_static_inputs(tiny):
-    """graphed(): the reference's forward over static copies of its inputs gives what the
-    forward gives (bit for bit: the same shapes, the same kernels), returns a copy that the
-    next call does not overwrite, keeps one per set of input shapes, and under autograd
-    runs the forward itself (a replay records nothing for backward)."""
+    """graphed(): a set of input shapes runs the forward itself at its first call and over
+    static copies of the inputs (a graph on a GPU) from its second; either way the forward's
+    logits bit for bit (the same shapes, the same kernels), each result a copy that later
+    calls leave alone, one per set of input shapes; outside inference mode (autograd, or
+    no_grad, whose results must stay ordinary tensors) the forward itself."""
     model, tok = tiny
     first, C = reference_inputs(model, tok, seed=0)
     ids = first[0].clone()
@@ -262,15 +270,37 @@ def test_the_reference_forward_over_static_inputs(tiny):
     forward = fast._logits_from_prompt_cache
     with torch.inference_mode():
         expected = [forward(model, *a) for a in (first, second, third)]
-        got = [graphs.graphed(forward, model, *a, static=True) for a in (first, second)]
+        got = [graphs.graphed(forward, model, *first, static=True)]
+        call = next(reversed(graphs._KEPT[model].values()))
+        assert isinstance(call, graphs.GraphedCall) and call.run.output is None  # no capture
+        got += [graphs.graphed(forward, model, *a, static=True) for a in (second, first)]
+        assert call.run.output is not None  # the static path ran from the second call
         kept = len(graphs._KEPT[model])
         got.append(graphs.graphed(forward, model, *third, static=True))
     assert len(graphs._KEPT[model]) == kept + 1  # one per set of input shapes
-    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-    assert not torch.equal(got[0], got[1])  # the first result is a copy the second left alone
-    with torch.enable_grad():
-        trained = graphs.graphed(forward, model, *first, static=True)
-    assert trained.requires_grad and len(graphs._KEPT[model]) == kept + 1
+    for g, e in zip(got, [expected[0], expected[1], expected[0], expected[2]], strict=True):
+        assert torch.equal(g, e)  # checked after every call: none overwrote an earlier one
+    for mode in (torch.enable_grad, torch.no_grad):
+        with mode():
+            plain = graphs.graphed(forward, model, *first, static=True)
+        assert not plain.is_inference() and plain.requires_grad == (mode is torch.enable_grad)
+    assert len(graphs._KEPT[model]) == kept + 1
+
+
+def test_a_first_replay_is_checked_against_the_warm_up():
+    """graphs._same_output: a replay that ran nothing (the NaN it was filled with) or read
+    other inputs fails; another GEMM algorithm's rounding passes; an overflow to inf passes
+    where the warm-up overflowed too."""
+    expected = torch.tensor([[1.0, -2.0, 4.0], [0.5, float("inf"), -3.0]])
+    same = graphs._same_output
+    assert same(expected.clone(), expected)
+    assert same(expected * torch.tensor([1.01, 0.99, 1.0]), expected)  # rounding-sized
+    assert not same(torch.full_like(expected, float("nan")), expected)  # ran nothing
+    assert not same(expected.flip(0), expected)  # other inputs
+    assert not same(expected + torch.tensor([0.0, 0.0, 0.5]), expected)  # 12% of 4
+    assert not same(expected.nan_to_num(posinf=7.0), expected)  # inf in one only
+    bf16 = expected.bfloat16()
+    assert same(bf16.clone(), bf16)
 
 
 def test_the_reference_forward_takes_the_graph_where_it_applies(tiny, monkeypatch):
@@ -291,3 +321,17 @@ def test_the_reference_forward_takes_the_graph_where_it_applies(tiny, monkeypatc
         assert any(isinstance(g, graphs.GraphedCall) for g in kept) == applies
     assert torch.equal(batches[0].rollout.input_ids, batches[1].rollout.input_ids)
     assert torch.equal(batches[0].ref_logp, batches[1].ref_logp)
+
+
+def test_without_a_graph_the_output_is_still_one_buffer():
+    """Recorded without a graph (the CPU, a failed capture) keeps a replay's semantics: one
+    output buffer that the next call overwrites, so the CPU tests see what a GPU would; a
+    new one when the output's shape or dtype changes."""
+    outs = iter([torch.ones(2), torch.full((2,), 2.0), torch.ones(2, dtype=torch.float64)])
+    run = graphs.Recorded(lambda: next(outs), torch.device("cpu"), (False, torch.bfloat16),
+                          graph=False)
+    a = run()
+    b = run()
+    assert a is b and torch.equal(a, torch.full((2,), 2.0))  # overwritten, as a replay's
+    c = run()
+    assert c.dtype == torch.float64 and torch.equal(c, torch.ones(2, dtype=torch.float64))
