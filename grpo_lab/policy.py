@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, resolve_profile
+from .graphs import graphs_wanted
 from .models import (
     CACHE_DIR,
     TINY_MODEL_DIR,
@@ -150,7 +151,9 @@ def gpu_cache_ready(cache_root: Path | None = None) -> bool:
 
 def load_policy(profile: str | None = None, model_path: str | Path | None = None):
     """(policy, tokenizer) for a profile, or from `model_path` when given. Applies the
-    profile's CPU thread policy (models.apply_thread_policy)."""
+    profile's CPU thread policy (models.apply_thread_policy), and refuses a bad
+    GRPO_LAB_CUDA_GRAPHS before a run starts rather than at its first sample."""
+    graphs_wanted()
     if model_path is not None:
         return load_local(model_path)
     profile = resolve_profile(profile)

@@ -97,13 +97,16 @@ def prompt_cache(model, tok, group=2):
 
 def test_which_decoder_the_environment_gets(tiny, monkeypatch):
     """GRPO_LAB_CUDA_GRAPHS: 1 asks for graphs (only where there is a GPU: on the CPU the
-    eager loop runs), anything but 0 or 1 is refused naming the variable; static=True or
-    False decides for one call; transformers' cache object never gets one."""
+    eager loop runs), anything but 0 or 1 is refused naming the variable, as soon as a
+    policy loads; static=True or False decides for one call; transformers' cache object
+    never gets one."""
     model, tok = tiny
     cache = prompt_cache(model, tok)
     monkeypatch.setenv(graphs.GRAPHS_ENV, "yes")
     with pytest.raises(ConfigError, match="GRPO_LAB_CUDA_GRAPHS must be 0 or 1"):
         graphs.static_decoder(model, cache, 10)
+    with pytest.raises(ConfigError, match="GRPO_LAB_CUDA_GRAPHS must be 0 or 1"):
+        load_policy("cpu")  # before a run starts, not at its first sample
     monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
     assert graphs.static_decoder(model, cache, 10) is None  # no CUDA here
     assert graphs.static_decoder(model, cache, 10, static=False) is None
