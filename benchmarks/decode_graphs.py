@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -53,16 +54,11 @@ def parse_args(argv):
 
 
 def reference_forward(model, ids, mask, C: int, static: bool) -> torch.Tensor:
-    """The reference's forward of fast.shared_prompt_logits (unscaled, T=1), eager or
-    through graphs.graphed (a CUDA graph on a GPU)."""
-    P = ids.shape[1] - C
-    distinct, row = torch.unique(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0,
-                                 return_inverse=True)
-    args = (ids, mask, distinct[:, :P], distinct[:, P:], row)
+    """The reference's forward as the step runs it (fast.shared_prompt_logits, T=1), eager
+    or through graphs.graphed (a CUDA graph on a GPU)."""
+    run_forward = partial(graphs.graphed, static=True) if static else None
     with torch.inference_mode():
-        if static:
-            return graphs.graphed(fast._logits_from_prompt_cache, model, *args, static=True)
-        return fast._logits_from_prompt_cache(model, *args)
+        return fast.shared_prompt_logits(model, ids, mask, C, run_forward=run_forward)
 
 
 def main(argv: list[str] | None = None) -> int:

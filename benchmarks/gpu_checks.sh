@@ -137,8 +137,8 @@ run bench env GRPO_LAB_CUDA_GRAPHS="${BENCH_GRAPHS:-1}" "$py" -m grpo_lab bench 
   --profile "$profile" "${bench[@]}" --json "$out/bench.json"
 # where grpo_lab's step goes on this device: host and device time, kernel launches and
 # synchronisations per phase (about 30 s on a GPU)
-run step-profile env GRPO_LAB_CUDA_GRAPHS=0 "$py" benchmarks/step_profile.py --device "$device" --profile "$profile" \
-  "${step_profile[@]}" --json "$out/step_profile.json"
+run step-profile env GRPO_LAB_CUDA_GRAPHS=0 "$py" benchmarks/step_profile.py --device "$device" \
+  --profile "$profile" "${step_profile[@]}" --json "$out/step_profile.json"
 summarize
 echo "outputs in $out; $failed command(s) failed"
 exit $((failed > 0))

@@ -6,9 +6,9 @@ card, date, commit; the notebooks passed and total (a notebook passes when every
 code cells passed under nbval; one the deadline cut short is listed as not finished); the
 seconds of the whole run and of the notebooks; the bench per side (s/step, completion
 tokens/s, MFU against the card's peak), the step-time ratio grpo_lab/TRL and whether the
-bench ran the decode step as a CUDA graph; the step's profile per phase; the decode graph's
-check (benchmarks/decode_graphs.py); the exit code of each other command. Prints the
-summary too.
+bench ran with CUDA graphs; the step's profile per phase; the graphs' check per amp
+(benchmarks/decode_graphs.py: the decode step and the reference's forward); the exit code
+of each other command. Prints the summary too.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         step_profile = {"wall_ms": figures["wall_ms"], "phases": {
             phase: {k: round(row[k], 2) for k in ("host_ms", "device_ms", "launches", "syncs")}
             for phase, row in figures["phases"].items()}}
-    decode_graphs = {}  # the decode step as a CUDA graph against the eager loop, per amp
+    decode_graphs = {}  # the graphs' check (decode step, reference's forward), per amp
     for path in sorted(args.out.glob("decode_graphs*.json")):
         figures = json.loads(path.read_text())
         decode_graphs[figures["amp"]] = figures

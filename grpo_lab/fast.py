@@ -190,7 +190,8 @@ def gpt2_forward(model, input_ids, attention_mask, position_ids, cache=None, wri
         # elements; a stride may differ along a dimension of size 1), in 3 ops not 7
         q, k, v = qkv.view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
         if write_at is not None:  # in place, at a column held on the device
-            k, v = cache[layer][0].index_copy_(2, write_at, k), cache[layer][1].index_copy_(2, write_at, v)
+            k = cache[layer][0].index_copy_(2, write_at, k)
+            v = cache[layer][1].index_copy_(2, write_at, v)
         elif cache is not None:
             k, v = torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)
         present.append((k, v))
@@ -208,6 +209,13 @@ def _global_hooks() -> bool:
                 or torch_module._global_backward_pre_hooks)
 
 
+def hooked(module: torch.nn.Module) -> bool:
+    """Something a direct call of the module's forward would skip: a hook on it, or a
+    forward set on the instance (accelerate's hooks, a patch)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__)
+
+
 def _module_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
@@ -218,8 +226,7 @@ def _direct_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     hooks): a module call's bookkeeping costs ~3 us, about what a decode step's small layer
     computes in, and a step on the tiny model makes ~250 of them. The same operations, the
     same numbers. A forward set on the instance (accelerate's hooks, a patch) is called."""
-    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-            or module._backward_pre_hooks or "forward" in module.__dict__):
+    if hooked(module):
         return module(x)
     if type(module) is Conv1D:  # Conv1D.forward
         return torch.addmm(module.bias, x.view(-1, x.size(-1)), module.weight).view(

@@ -38,7 +38,7 @@ from collections import OrderedDict
 import torch
 
 from .config import ConfigError
-from .fast import _global_hooks, gpt2_forward
+from .fast import _global_hooks, gpt2_forward, hooked
 
 GRAPHS_ENV = "GRPO_LAB_CUDA_GRAPHS"
 COLUMN_MULTIPLE = 8  # the cache's columns rounded up to this: fewer distinct graphs
@@ -58,10 +58,9 @@ def graphs_wanted() -> bool:
 
 
 def _hooked(model: torch.nn.Module) -> bool:
-    """A hook a replay would skip (it runs once, at capture)."""
-    return _global_hooks() or any(
-        m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
-        for m in model.modules())
+    """A hook a replay would skip (it runs once, at capture), on any of the model's modules
+    or on every module."""
+    return _global_hooks() or any(map(hooked, model.modules()))
 
 
 def _applies(model, device: torch.device, static: bool | None) -> bool:
@@ -267,15 +266,14 @@ class GraphedCall:
     from its second call on (the first runs fn as it is)."""
 
     def __init__(self, fn, model, tensors, amp: tuple[bool, torch.dtype]):
+        # built and called by graphed(), in inference mode, as the static inputs are made
         self.fn, self.model_ref = fn, weakref.ref(model)  # weakly, as StaticDecoder
-        with torch.inference_mode():
-            self.inputs = [torch.empty_like(t) for t in tensors]
+        self.inputs = [torch.empty_like(t) for t in tensors]
         device = tensors[0].device
         self.run = Recorded(lambda: fn(self.model_ref(), *self.inputs), device, amp,
                             graph=device.type == "cuda")
         self.calls = 0
 
-    @torch.inference_mode()
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == 1:

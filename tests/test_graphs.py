@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import json
 import weakref
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -233,9 +234,8 @@ def test_graphs_go_with_their_model():
     gc.collect()  # the models of earlier tests, dead already, out of the count
     model, tok = load_policy("cpu")  # a model of this test's own: nothing else holds it
     graphs.static_decoder(model, prompt_cache(model, tok), 8, static=True)
-    inputs, _ = reference_inputs(model, tok)
     with torch.inference_mode():
-        graphs.graphed(fast._logits_from_prompt_cache, model, *inputs, static=True)
+        reference_logits(model, *rollout(model, tok))
     assert {type(g) for g in graphs._KEPT[model].values()} == {graphs.StaticDecoder,
                                                              graphs.GraphedCall}
     held = len(graphs._KEPT)
@@ -246,16 +246,18 @@ def test_graphs_go_with_their_model():
     assert alive() is None and len(graphs._KEPT) == held - 1
 
 
-def reference_inputs(model, tok, prompts=PROMPTS, group=4, seed=0):
-    """A rollout's (ids, mask) and its distinct prompts, as shared_prompt_logits finds them,
-    and the completions' width."""
+def rollout(model, tok, group=4, seed=0):
+    """A sampled rollout's (ids, mask, completion width), as the reference's forward gets it."""
     ids, mask, completions, _ = decode(model, tok, static=False, seed=seed, group=group)
-    ids = torch.cat([ids, completions], 1)
-    mask = torch.cat([mask, (completions != tok.pad_token_id).long()], 1)
-    P = ids.shape[1] - completions.shape[1]
-    distinct, row_prompt = torch.unique(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0,
-                                        return_inverse=True)
-    return (ids, mask, distinct[:, :P], distinct[:, P:], row_prompt), completions.shape[1]
+    drawn = (completions != tok.pad_token_id).long()
+    return torch.cat([ids, completions], 1), torch.cat([mask, drawn], 1), completions.shape[1]
+
+
+def reference_logits(model, ids, mask, C, graphed: bool = True):
+    """The reference's forward as the step runs it (fast.shared_prompt_logits), through
+    graphs.graphed forced on (the static path, on the CPU without a graph) or eagerly."""
+    run_forward = partial(graphs.graphed, static=True) if graphed else None
+    return fast.shared_prompt_logits(model, ids, mask, C, run_forward=run_forward)
 
 
 def test_the_reference_forward_over_static_inputs(tiny):
@@ -265,29 +267,43 @@ def test_the_reference_forward_over_static_inputs(tiny):
     calls leave alone, one per set of input shapes; outside inference mode (autograd, or
     no_grad, whose results must stay ordinary tensors) the forward itself."""
     model, tok = tiny
-    first, C = reference_inputs(model, tok, seed=0)
-    ids = first[0].clone()
-    ids[:, -C:] = ids[:, -C:].flip(0)  # other completions, the same shapes
-    second = (ids, *first[1:])
-    third, _ = reference_inputs(model, tok, seed=0, group=2)  # fewer rows
-    forward = fast._logits_from_prompt_cache
+    ids, mask, C = rollout(model, tok, seed=0)
+    other = ids.clone()
+    other[:, -C:] = other[:, -C:].flip(0)  # other completions, the same shapes
+    calls = [(ids, mask, C), (other, mask, C), (ids, mask, C), rollout(model, tok, group=2)]
     with torch.inference_mode():
-        expected = [forward(model, *a) for a in (first, second, third)]
-        got = [graphs.graphed(forward, model, *first, static=True)]
+        expected = [reference_logits(model, *a, graphed=False) for a in calls]
+        got = [reference_logits(model, *calls[0])]
         call = next(reversed(graphs._KEPT[model].values()))
         assert isinstance(call, graphs.GraphedCall) and call.run.output is None  # no capture
-        got += [graphs.graphed(forward, model, *a, static=True) for a in (second, first)]
+        got += [reference_logits(model, *a) for a in calls[1:3]]
         assert call.run.output is not None  # the static path ran from the second call
         kept = len(graphs._KEPT[model])
-        got.append(graphs.graphed(forward, model, *third, static=True))
+        got.append(reference_logits(model, *calls[3]))  # fewer rows
     assert len(graphs._KEPT[model]) == kept + 1  # one per set of input shapes
-    for g, e in zip(got, [expected[0], expected[1], expected[0], expected[2]], strict=True):
+    for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e)  # checked after every call: none overwrote an earlier one
     for mode in (torch.enable_grad, torch.no_grad):
         with mode():
-            plain = graphs.graphed(forward, model, *first, static=True)
+            plain = reference_logits(model, ids, mask, C)
         assert not plain.is_inference() and plain.requires_grad == (mode is torch.enable_grad)
     assert len(graphs._KEPT[model]) == kept + 1
+
+
+def _scaled(model, x):  # a module-level function of its tensor, as graphed() asks for
+    return x * model.transformer.ln_f.weight[0]
+
+
+def test_graphed_returns_copies_whatever_the_caller_does(tiny):
+    """graphed()'s results are copies: the static path's output buffer, overwritten by the
+    next call, never reaches the caller (the step's caller copies again in scale_logits;
+    graphed() does not count on it)."""
+    model, _ = tiny
+    xs = [torch.full((3,), float(i)) for i in range(4)]
+    with torch.inference_mode():
+        got = [graphs.graphed(_scaled, model, x, static=True) for x in xs]
+        expected = [_scaled(model, x) for x in xs]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
 
 
 def test_a_first_replay_is_checked_against_the_warm_up():
