@@ -84,6 +84,15 @@ def card(out: Path) -> tuple[str, str]:
     return f"CPU ({platform.processor() or platform.machine()})", torch.__version__
 
 
+def graph_switch(command_output: Path) -> bool | None:
+    """Whether a command ran with the CUDA graphs on: its output's first line is the command,
+    with GRPO_LAB_CUDA_GRAPHS=0 or 1 (None: not run, or not set)."""
+    if not command_output.exists():
+        return None
+    switch = re.search(r"GRPO_LAB_CUDA_GRAPHS=(\d)", command_output.read_text().split("\n", 1)[0])
+    return None if switch is None else switch.group(1) == "1"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -112,15 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(args.out.glob("decode_graphs*.json")):
         figures = json.loads(path.read_text())
         decode_graphs[figures["amp"]] = figures
-    bench_txt = args.out / "bench.txt"  # its first line is the command, with the graph switch
-    switch = re.search(r"GRPO_LAB_CUDA_GRAPHS=(\d)", bench_txt.read_text()) \
-        if bench_txt.exists() else None
-    if bench and switch:
-        bench["cuda_graphs"] = switch.group(1) == "1"
+    if bench and (switch := graph_switch(args.out / "bench.txt")) is not None:
+        bench["cuda_graphs"] = switch
+    notebooks = notebook_results(args.out / "notebooks.xml", args.notebooks)
+    if (switch := graph_switch(args.out / "notebooks.txt")) is not None:
+        notebooks["cuda_graphs"] = switch
     summary = {
         "card": name, "torch": torch_version,
         "date": datetime.date.today().isoformat(), "commit": args.commit,
-        "notebooks": notebook_results(args.out / "notebooks.xml", args.notebooks),
+        "notebooks": notebooks,
         "seconds": {"total": args.seconds, "notebooks": args.notebook_seconds},
         "bench": bench,
         "step_profile": step_profile,

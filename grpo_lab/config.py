@@ -178,8 +178,8 @@ def resolve_profile(profile: str | None = None) -> str:
     """The profile to use: the argument, else $GRPO_LAB_PROFILE, else 'cpu'.
 
     'cpu' also on a machine with CUDA: the notebooks' claims are measured on the tiny GPT-2
-    on every CI run, and on GPT-2 124M only when a GPU run is made (22 of 28 notebooks passed
-    on an H200, benchmarks/gpu/summary.json), so the gpu profile is chosen on purpose, never
+    on every CI run, and on GPT-2 124M only when a GPU run is made (28 of 28 notebooks passed
+    on an H200 on 2026-11-28, benchmarks/gpu/summary.json), so the gpu profile is chosen on purpose, never
     by the hardware found."""
     if profile is None:
         env = os.environ.get("GRPO_LAB_PROFILE", "").strip()
