@@ -1,14 +1,18 @@
-"""GPT-2's inference forwards as CUDA graphs (grpo_lab/graphs.py) against the eager ones, on
-the bench's work: the sampler's decode step and the reference's forward. Are they as
-accurate, and how much faster?
+"""GPT-2's forwards as CUDA graphs (grpo_lab/graphs.py) against the eager ones, on the bench's
+work: the sampler's decode step, the reference's forward, and the training forward with its
+backward. Are they as accurate, and how much faster?
 
     python benchmarks/decode_graphs.py --device cuda --profile gpu --amp bf16 --json F
     python benchmarks/decode_graphs.py                   # CPU: the static buffers, no graph
 
 For each of --batches batches (the bench's 8 prompts x G=8, max 5 new tokens, T=1), the same
 seed is sampled by the eager loop and by the static decoder, and the reference's forward is
-run eagerly and through graphed() on the eager loop's completions. Per path, the error of
-the logits of the drawn tokens against the same forward in float64, teacher-forced; each
+run eagerly and through graphed() on the eager loop's completions; so is the training pass:
+the gradient of the mean log-probability of the drawn tokens, accumulated over two
+micro-batches of one shape (the second replays the graph the first one's gradient came
+from: a gradient that aliased the graph's buffer would come out as the second one twice).
+Per path, the error against the same computation in float64 (the drawn tokens' logits,
+teacher-forced; the gradient's entries); each
 static path must be as accurate as its eager one (numerics.as_accurate_bound), and on a GPU
 each must have been captured as a graph (a failed capture only warns, and the computation
 runs without one): exit 1 if not. Reported besides: the batches whose completions came out
@@ -31,14 +35,15 @@ from functools import partial
 import torch
 
 from grpo_lab import fast, graphs
+from grpo_lab.models import disable_dropout
 from grpo_lab.numerics import as_accurate_bound
-from grpo_lab.objective import completion_logits
+from grpo_lab.objective import completion_logits, token_logprobs
 from grpo_lab.policy import load_policy
 from grpo_lab.sampling import decode_loop, encode_prompts
 from grpo_lab.tasks import ProblemStream
 from grpo_lab.tools.bench import bench_config
 
-PARTS = ("sampler", "reference")
+PARTS = ("sampler", "reference", "training")
 
 
 def parse_args(argv):
@@ -61,6 +66,25 @@ def reference_forward(model, ids, mask, C: int, static: bool) -> torch.Tensor:
         return fast.shared_prompt_logits(model, ids, mask, C, run_forward=run_forward)
 
 
+def training_gradient(model, ids, mask, completions, drawn, static: bool, amp) -> torch.Tensor:
+    """The gradient of the drawn tokens' mean log-probability, as the step takes it
+    (fast.shared_prompt_logits with autograd on), accumulated over the rows' two halves, as
+    one flat float64 vector; eager, or through graphs.graphed (CUDA graphs on a GPU)."""
+    run_forward = partial(graphs.graphed, static=True) if static else None
+    full_ids, full_mask = torch.cat([ids, completions], 1), torch.cat([mask, drawn.long()], 1)
+    C, B = completions.shape[1], len(ids)
+    model.zero_grad(set_to_none=True)
+    for half in (slice(0, B // 2), slice(B // 2, B)):
+        with amp():
+            logits = fast.shared_prompt_logits(model, full_ids[half], full_mask[half], C,
+                                               run_forward=run_forward)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16: float32
+        logp = token_logprobs(logits, completions[half]) * drawn[half]
+        (logp.sum() / drawn.sum()).backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten()
+                      for p in model.parameters()])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -70,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_policy(args.profile)
     model.to(device).eval()
     model64 = copy.deepcopy(model).double()
+    trained = disable_dropout(copy.deepcopy(model).train())  # the training forward's model
+    for p in (*trained.parameters(), *model64.parameters()):
+        p.requires_grad_(True)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def amp():
@@ -120,17 +147,29 @@ def main(argv: list[str] | None = None) -> int:
                                        full_ids, full_mask, C, ref_static)
                     found["reference", ref_static] = (
                         (logits.double() - truth).abs() * drawn[..., None]).max()
+        completions, _ = out[False]
+        drawn = completions != tok.pad_token_id
+        truth = training_gradient(model64, ids, mask, completions, drawn, False,
+                                  contextlib.nullcontext)
+        scales = {"sampler": scale, "reference": scale, "training": truth.abs().max().item()}
+        for static in (False, True):
+            grad = timed("training", static, i, training_gradient, trained, ids, mask,
+                         completions, drawn, static, amp)
+            found["training", static] = (grad - truth).abs().max()
         for (part, static), err in found.items():
             errors.setdefault((part, static), []).append(err.item())
         for part in PARTS:
-            excess = found[part, True].item() / as_accurate_bound(found[part, False].item(), scale)
+            excess = found[part, True].item() / as_accurate_bound(found[part, False].item(),
+                                                                  scales[part])
             worst[part] = max(worst[part], (excess, i), key=lambda w: w[0])
     kept = graphs._KEPT.get(model, {}).values()
     captured = {"sampler": [g.run.graph is not None for g in kept
                             if isinstance(g, graphs.StaticDecoder)],
                 # a set of shapes is captured at its second call: those called once ran eagerly
                 "reference": [g.run.graph is not None for g in kept
-                              if isinstance(g, graphs.GraphedCall) and g.calls > 1]}
+                              if isinstance(g, graphs.GraphedCall) and g.calls > 1],
+                "training": [g.forward_graph is not None for g in
+                             graphs.training_calls(trained) if g.calls > 1]}
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "profile": args.profile, "amp": args.amp, "batches": args.batches,
               "identical_completions": identical}
@@ -147,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             "eager_ms": 1e3 * eager, "static_ms": 1e3 * static, "speedup": eager / static,
             "first_static_call_ms": 1e3 * first[part, True]}
         r = result[part]
-        print(f"{part}: {r['graphs']} of {r['kept']} kept as CUDA graphs; largest error of a "
-              f"drawn token's logit against float64: eager {r['max_error_eager']:.3g}, static "
+        what = "a gradient entry" if part == "training" else "a drawn token's logit"
+        print(f"{part}: {r['graphs']} of {r['kept']} kept as CUDA graphs; largest error of "
+              f"{what} against float64: eager {r['max_error_eager']:.3g}, static "
               f"{r['max_error_static']:.3g} (at most {r['worst_error_over_bound']:.2f} of its "
               f"bound, batch {worst[part][1]}); median of {len(times[part, False])}: eager "
               f"{r['eager_ms']:.1f} ms, static {r['static_ms']:.1f} ms, speed-up "

@@ -19,6 +19,7 @@ runs these instead where they give the same numbers faster:
 from __future__ import annotations
 
 import weakref
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -240,10 +241,11 @@ class CompletionLogits(torch.nn.Module):
     """The training forward as one module, so that DDP, which expects one forward per
     backward, wraps both model calls of the shared-prompt path as one."""
 
-    def __init__(self, model: torch.nn.Module, share_prompts: bool):
+    def __init__(self, model: torch.nn.Module, share_prompts: bool, run_forward=None):
         super().__init__()
         self.model = model
-        self.logits_fn = shared_prompt_logits if share_prompts else completion_logits
+        self.logits_fn = (partial(shared_prompt_logits, run_forward=run_forward)
+                          if share_prompts else completion_logits)
 
     def forward(self, input_ids, attention_mask, completion_length: int, temperature: float,
                 logit_clamp: float | None) -> torch.Tensor:

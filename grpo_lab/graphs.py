@@ -1,5 +1,5 @@
-"""GPT-2's inference forwards replayed as CUDA graphs: the sampler's one-token decode step,
-and the reference's forward.
+"""GPT-2's forwards replayed as CUDA graphs: the sampler's one-token decode step, the
+reference's forward, and the training forward with its backward.
 
 On a GPU the course's small batches wait on the host, not on the card: each of GPT-2's ~17
 operators per layer is a kernel launch issued from Python, and the kernels run in less
@@ -21,13 +21,20 @@ runs as it is).
 - The reference's forward (`graphed`): fast.shared_prompt_logits' forward from the distinct
   prompts (found on the host first: their number decides the shapes), over static copies of
   its inputs, one graph per set of input shapes.
+- The training forward (`graphed` with autograd on, `TrainingCall`): the same forward of the
+  policy and its backward for the parameters, two graphs per set of input shapes; the loss
+  stays eager (it is the learner's code), and the parameters' gradients reach .grad through
+  autograd, as an eager backward's do. After the two graphs above, it was over half of the
+  step on an H200 (benchmarks/gpu/phase-times.txt).
 
 GRPO_LAB_CUDA_GRAPHS=1 turns them on. benchmarks/decode_graphs.py (in benchmarks/gpu_checks.sh)
-checks them against the eager forwards, which are the reference: on an H200 (2026-11-28,
-benchmarks/gpu/decode-graphs*.txt) the same completions in every batch and the same error
-against float64, bf16 and float32. Off by default until the notebooks have run with them on a
-GPU (the run's notebooks take GRPO_LAB_CUDA_GRAPHS from NOTEBOOK_GRAPHS). On the CPU the same code runs over the same static buffers without a graph
-(`static=True`), which is how tests/test_graphs.py checks the buffers against the eager path.
+checks them against the eager computations, which are the reference: on an H200 (2026-11-28,
+benchmarks/gpu/decode-graphs*.txt) the first two gave the same completions in every batch
+and the same error against float64, bf16 and float32; the training pass has not yet run on
+a GPU. Off by default until it has, and the notebooks have run with the graphs on (the run's
+notebooks take GRPO_LAB_CUDA_GRAPHS from NOTEBOOK_GRAPHS). On the CPU the same code runs
+over the same static buffers without a graph (`static=True`), which is how
+tests/test_graphs.py checks the buffers against the eager path.
 """
 
 from __future__ import annotations
@@ -47,8 +54,13 @@ COLUMN_MULTIPLE = 8  # the cache's columns rounded up to this: fewer distinct gr
 # graphs kept per model (decoders and forwards; each holds its buffers and its graph's
 # memory): the reference's forward has one per prompt length x completion length
 KEPT_PER_MODEL = 16
+# training passes kept in the process, all models together (a notebook keeps dozens of
+# trainers): each holds its parameters' gradients (GPT-2 124M: 0.5 GiB in float32) and its
+# forward's activations between the forward and the backward
+KEPT_TRAINING = 3
 
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: graph}
+_KEPT_TRAINING: OrderedDict = OrderedDict()  # (id(model), key) -> TrainingCall (weakly to model)
 
 
 def graphs_wanted() -> bool:
@@ -73,22 +85,33 @@ def _applies(model, device: torch.device, static: bool | None) -> bool:
     return graphs_wanted() and device.type == "cuda" and not _hooked(model)
 
 
-def _kept(model, key: tuple, build):
+def _kept(model, key: tuple, build, training: bool = False):
     """The graph kept for (model, key), built by build() the first time; at most
-    KEPT_PER_MODEL per model, the least recently used dropped first. The key holds the
+    KEPT_PER_MODEL per model, and KEPT_TRAINING training passes in all, the least recently
+    used dropped first. The key holds the
     parameters' addresses (a graph reads them there: new tensors, a reload, need a new one),
     the modules, and the autocast state (a graph records the casts)."""
     device = next(model.parameters()).device
     amp = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
     key = (*key, amp, tuple(p.data_ptr() for p in model.parameters()),
            tuple(map(id, model.modules())))  # a module swapped in (fuse_gelu) is another graph
-    kept = _KEPT.setdefault(model, OrderedDict())
+    if training:  # one store for every model: a dead model's id may come back, so check
+        key, kept, limit = (id(model), *key), _KEPT_TRAINING, KEPT_TRAINING
+        if key in kept and kept[key].model_ref() is not model:
+            del kept[key]
+    else:
+        kept, limit = _KEPT.setdefault(model, OrderedDict()), KEPT_PER_MODEL
     if key not in kept:
         kept[key] = build(amp)
-        while len(kept) > KEPT_PER_MODEL:
+        while len(kept) > limit:
             kept.popitem(last=False)
     kept.move_to_end(key)
     return kept[key]
+
+
+def training_calls(model) -> list[TrainingCall]:
+    """The training passes kept for this model, the most recently used last."""
+    return [c for c in _KEPT_TRAINING.values() if c.model_ref() is model]
 
 
 def _same_output(replayed: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -250,17 +273,31 @@ class StaticDecoder:
 
 def graphed(fn, model, *tensors: torch.Tensor, static: bool | None = None) -> torch.Tensor:
     """fn(model, *tensors) -> a tensor, as a CUDA graph per set of input shapes where graphs
-    apply (`_applies`), in inference mode only (a replay records nothing for backward, and
-    its copied output is an inference tensor), else fn(model, *tensors) itself. A set of
+    apply (`_applies`), else fn(model, *tensors) itself. In inference mode, the forward alone
+    (GraphedCall); with autograd on, the forward and its backward for the model's parameters
+    (TrainingCall), in one process (not under DDP); under plain no_grad, no graph. A set of
     shapes is captured at its second call, so that one-off shapes cost no capture. The graph
     runs over static copies of the inputs, and its output is returned as a copy. `fn`: a
     module-level function of its tensors' values (a closure over the model would keep the
     model alive) that returns a tensor and reads nothing back to the host."""
-    if not torch.is_inference_mode_enabled() or not _applies(model, tensors[0].device, static):
-        return fn(model, *tensors)
-    key = (fn, *((t.shape, t.dtype, t.device) for t in tensors))
-    call = _kept(model, key, lambda amp: GraphedCall(fn, model, tensors, amp))
-    return call(*tensors)
+    if torch.is_inference_mode_enabled() and _applies(model, tensors[0].device, static):
+        key = (fn, *((t.shape, t.dtype, t.device) for t in tensors))
+        call = _kept(model, key, lambda amp: GraphedCall(fn, model, tensors, amp))
+        return call(*tensors)
+    if (torch.is_grad_enabled() and _applies(model, tensors[0].device, static)
+            and not _distributed() and any(p.requires_grad for p in model.parameters())):
+        key = (fn, model.training, tuple(p.requires_grad for p in model.parameters()),
+               *((t.shape, t.dtype, t.device) for t in tensors))
+        call = _kept(model, key, lambda amp: TrainingCall(fn, model, tensors, amp),
+                     training=True)
+        return call(*tensors)
+    return fn(model, *tensors)
+
+
+def _distributed() -> bool:
+    """A process group is up: DDP's gradient hooks and its one-forward-per-backward
+    bookkeeping stay with the eager forward."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class GraphedCall:
@@ -287,3 +324,177 @@ class GraphedCall:
         for static, t in zip(self.inputs, tensors, strict=True):
             static.copy_(t)
         return self.run().clone()
+
+
+class TrainingCall:
+    """fn(model, *inputs) and its gradient for the model's trainable parameters, for one set
+    of input shapes. The first call runs fn as it is; from the second, the forward and the
+    backward each replay a CUDA graph over static copies of the inputs (captured together,
+    in one memory pool, on one stream: autograd runs a backward op on its forward op's
+    stream), as torch.cuda.make_graphed_callables does, with two differences: the parameters'
+    gradients leave the graph as one fresh copy (make_graphed_callables hands out its static
+    buffers, which the next replay overwrites: with two micro-batches of one shape, .grad
+    would hold the second twice), and a failed capture warns and runs the eager forward.
+    With graph=False (the CPU), the same calls over the same static inputs without a graph:
+    how tests/test_graphs.py checks the gradients against the eager ones."""
+
+    def __init__(self, fn, model, tensors, amp: tuple[bool, torch.dtype]):
+        self.fn, self.model_ref, self.amp = fn, weakref.ref(model), amp
+        self.inputs = [torch.empty_like(t) for t in tensors]
+        self.device = tensors[0].device
+        self.use_graph = self.device.type == "cuda"
+        self.forward_graph = self.backward_graph = None
+        self.output = self.grad_output = None  # the forward's output, with its autograd graph
+        self.static_output = None  # its values, in the buffer the next forward overwrites
+        self.grads = None  # the backward's gradients: static buffers that the next one reuses
+        self.unused: list[bool] = []  # per parameter: the output does not depend on it
+        self.calls = 0
+        self.forwards = 0  # which forward the static output holds (see backward_pass)
+        self.broken = False  # a capture failed: fn runs as it is from then on
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for p in self.model_ref().parameters() if p.requires_grad]
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1 or self.broken:
+            return self.fn(self.model_ref(), *tensors)
+        for static, t in zip(self.inputs, tensors, strict=True):
+            static.copy_(t)
+        if self.use_graph and self.forward_graph is None:
+            self._capture()
+            if self.broken:
+                return self.fn(self.model_ref(), *tensors)
+        return _Replayed.apply(self, tensors, *self.params())
+
+    def _autocast(self):
+        enabled, dtype = self.amp
+        return torch.autocast(self.device.type, dtype=dtype, enabled=enabled,
+                              cache_enabled=False)  # a graph records the weights' casts
+
+    def _forward(self) -> torch.Tensor:
+        with torch.enable_grad(), self._autocast():
+            return self.fn(self.model_ref(), *self.inputs)
+
+    def _gradients(self, output, grad_output) -> list[torch.Tensor]:
+        """The gradients of the parameters the output depends on, for d(output) =
+        grad_output; `unused` marks the others (they get no gradient, as in an eager
+        backward)."""
+        grads = torch.autograd.grad(output, self.params(), grad_output, allow_unused=True)
+        self.unused = [g is None for g in grads]
+        return [g for g in grads if g is not None]
+
+    def forward_pass(self) -> tuple[torch.Tensor, int]:
+        """The output (a copy: the next forward overwrites the static one), and which
+        forward it was."""
+        if self.forward_graph is None:
+            self.output = self._forward()
+            self.static_output = _into(self.static_output, self.output.detach())
+        else:
+            self.forward_graph.replay()
+        self.forwards += 1
+        return self.static_output.clone(), self.forwards
+
+    def backward_pass(self, grad_output: torch.Tensor, tensors, forward: int
+                      ) -> list[torch.Tensor | None]:
+        """The parameters' gradients for d(output) = grad_output, of the output of the
+        `forward`-th forward, whose inputs were `tensors`. When another forward of this shape
+        ran since (the same rows' logits taken twice before one backward), the activations
+        now held are that one's: the forward is run again on its own inputs first."""
+        if forward != self.forwards:
+            for static, t in zip(self.inputs, tensors, strict=True):
+                static.copy_(t)
+            self.forward_pass()
+        if self.backward_graph is None:
+            grads = self._gradients(self.output, grad_output)
+            self.grads = [_into(b, g) for b, g in zip(self.grads or [None] * len(grads), grads,
+                                                      strict=True)]
+            self.output = None  # its autograd graph is used: let it go
+        else:
+            self.grad_output.copy_(grad_output)
+            self.backward_graph.replay()
+        # the static buffers are the next call's: copied, fresh for .grad (see the class), in
+        # one kernel: one flat tensor, which each gradient views. Without a graph too, so
+        # that tests see a replay's reuse
+        flat = torch.cat([g.reshape(-1) for g in self.grads])
+        grads, start = [], 0
+        for p, unused in zip(self.params(), self.unused, strict=True):
+            n = 0 if unused else p.numel()
+            grads.append(None if unused else flat[start:start + n].view_as(p))
+            start += n
+        return grads
+
+    def _capture(self) -> None:
+        """Warm up twice on a side stream; capture the forward, then the backward, on one
+        stream, in one pool; replay both once against the warm-up's output and gradients.
+        Any failure: a warning, and fn runs as it is from then on."""
+        device = self.device
+        try:
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        out = self._forward()
+                        probe = torch.ones_like(out)  # any fixed d(output) will do
+                        expected_grads = self._gradients(out, probe)
+                        expected = out.detach()
+                        del out
+                torch.cuda.current_stream(device).wait_stream(side)
+                torch.cuda.synchronize(device)
+                forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.stream(torch.cuda.Stream(device)):
+                    forward_graph.capture_begin()
+                    try:
+                        output = self._forward()
+                    finally:
+                        forward_graph.capture_end()
+                    grad_output = torch.empty_like(output)
+                    backward_graph.capture_begin(pool=forward_graph.pool())
+                    try:
+                        grads = self._gradients(output, grad_output)
+                    finally:
+                        backward_graph.capture_end()
+                output.detach().fill_(float("nan"))
+                for g in grads:
+                    g.fill_(float("nan"))
+                forward_graph.replay()
+                grad_output.copy_(probe)
+                backward_graph.replay()
+                if not (_same_output(output.detach(), expected) and all(
+                        map(_same_output, grads, expected_grads))):
+                    raise RuntimeError("its first replay did not give the warm-up's output "
+                                       "and gradients")
+            self.forward_graph, self.backward_graph = forward_graph, backward_graph
+            self.output, self.grad_output, self.grads = output, grad_output, grads
+            self.static_output = output.detach()
+        except Exception as e:  # noqa: BLE001 - any capture failure: run without the graph
+            self.broken, self.output = True, None
+            warnings.warn(f"{GRAPHS_ENV}=1: a training forward could not be captured as CUDA "
+                          f"graphs ({type(e).__name__}: {e}); it runs without them",
+                          RuntimeWarning, stacklevel=4)
+
+
+def _into(buffer: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """values, copied into buffer (a new one where there is none of their shape and dtype)."""
+    if buffer is None or (buffer.shape, buffer.dtype) != (values.shape, values.dtype):
+        buffer = torch.empty_like(values)
+    return buffer.copy_(values)
+
+
+class _Replayed(torch.autograd.Function):
+    """A TrainingCall's forward and backward, to autograd: the gradients it returns for the
+    parameters reach .grad through autograd's own accumulation, as an eager backward's do
+    (and DDP's or a user's gradient hooks would see them)."""
+
+    @staticmethod
+    def forward(ctx, call: TrainingCall, tensors, *params: torch.Tensor) -> torch.Tensor:
+        ctx.call, ctx.tensors = call, tensors
+        output, ctx.forward = call.forward_pass()
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        grads = ctx.call.backward_pass(grad_output, ctx.tensors, ctx.forward)
+        return (None, None, *grads)

@@ -30,6 +30,7 @@ import torch
 from . import distributed
 from .config import CHECKPOINT, METRICS, ConfigError, GRPOConfig
 from .fast import CompletionLogits, fuse_gelu, fused_adamw, keep_fused
+from .graphs import graphed
 from .health import (
     Snapshot,
     all_finite,
@@ -211,7 +212,10 @@ class Trainer:
         # backward(); generation and no-grad forwards use the bare policy. The G rows of a
         # group share their prompt's forward (fast.py) except under activation
         # checkpointing, which drops the KV cache that needs
-        forward = CompletionLogits(policy, share_prompts=fast and not cfg.gradient_checkpointing)
+        # graphed: the forward and backward as CUDA graphs on a GPU with GRPO_LAB_CUDA_GRAPHS=1
+        # (graphs.py); not under DDP, whose gradient bookkeeping follows the eager forward
+        forward = CompletionLogits(policy, share_prompts=fast and not cfg.gradient_checkpointing,
+                                   run_forward=None if world.distributed else graphed)
         if world.distributed:
             forward = torch.nn.parallel.DistributedDataParallel(
                 forward, device_ids=[device.index] if device.type == "cuda" else None

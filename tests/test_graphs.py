@@ -186,22 +186,28 @@ def load_script():
 def test_the_gpu_runs_check_passes_the_graphs_and_fails_wrong_ones(tmp_path, monkeypatch,
                                                                    capsys):
     """benchmarks/decode_graphs.py (the GPU run's check, here without graphs): exit 0 and its
-    figures for the sampler and the reference's forward as they are; exit 1, naming the
-    part, for one whose logits are off by a rounding error's size many times over."""
+    figures for the sampler, the reference's forward and the training pass as they are; exit
+    1, naming the part, for one whose logits or gradients are off by a rounding error's size
+    many times over."""
     script = load_script()
     out = tmp_path / "graphs.json"
     assert script.main(["--batches", "2", "--warmup", "1", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["identical_completions"] == 2
-    for part in ("sampler", "reference"):
+    for part in ("sampler", "reference", "training"):
         assert figures[part]["kept"] >= 1 and figures[part]["graphs"] == 0, figures[part]
         assert 0 < figures[part]["worst_error_over_bound"] <= 1, figures[part]
-    wrong = {"sampler": (graphs.StaticDecoder, "step"), "reference": (graphs.GraphedCall,
-                                                                      "__call__")}
+    def off(values):
+        return ([None if v is None else v * (1 + 1e-4) for v in values]
+                if isinstance(values, list) else values * (1 + 1e-4))
+
+    wrong = {"sampler": (graphs.StaticDecoder, "step"),
+             "reference": (graphs.GraphedCall, "__call__"),
+             "training": (graphs.TrainingCall, "backward_pass")}
     for part, (cls, name) in wrong.items():
         right = getattr(cls, name)
         with monkeypatch.context() as m:
-            m.setattr(cls, name, lambda self, *a, right=right: right(self, *a) * (1 + 1e-4))
+            m.setattr(cls, name, lambda self, *a, right=right: off(right(self, *a)))
             assert script.main(["--batches", "2", "--warmup", "1"]) == 1
         assert f"FAILED: the {part}'s static path is less accurate" in capsys.readouterr().out
 
@@ -264,8 +270,8 @@ def test_the_reference_forward_over_static_inputs(tiny):
     """graphed(): a set of input shapes runs the forward itself at its first call and over
     static copies of the inputs (a graph on a GPU) from its second; either way the forward's
     logits bit for bit (the same shapes, the same kernels), each result a copy that later
-    calls leave alone, one per set of input shapes; outside inference mode (autograd, or
-    no_grad, whose results must stay ordinary tensors) the forward itself."""
+    calls leave alone, one per set of input shapes; outside inference mode ordinary tensors
+    (under no_grad the forward itself; with autograd a TrainingCall, tested below)."""
     model, tok = tiny
     ids, mask, C = rollout(model, tok, seed=0)
     other = ids.clone()
@@ -354,3 +360,107 @@ def test_without_a_graph_the_output_is_still_one_buffer():
     assert a is b and torch.equal(a, torch.full((2,), 2.0))  # overwritten, as a replay's
     c = run()
     assert c.dtype == torch.float64 and torch.equal(c, torch.ones(2, dtype=torch.float64))
+
+
+def _trainer_parameters(monkeypatch, graphed: bool, accum: int, steps: int = 3):
+    from grpo_lab.config import preset
+    from grpo_lab.trainer import Trainer
+
+    monkeypatch.setattr(graphs, "_applies", lambda m, d, static: graphed)
+    trainer = Trainer(preset("stable", seed=0, steps=steps, eval_every=0, checkpoint_every=0,
+                             grad_accum_steps=accum))
+    for _ in range(steps):
+        trainer.step()
+    calls = [c.calls for c in graphs.training_calls(trainer.policy)]
+    return torch.cat([p.detach().flatten() for p in trainer.policy.parameters()]), calls
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_training_pass_over_static_inputs_trains_as_the_eager_one(monkeypatch, accum):
+    """The trainer's training forward and backward through graphed() (CUDA graphs on a GPU
+    with GRPO_LAB_CUDA_GRAPHS=1; here the same calls over static inputs without a graph):
+    after three steps the parameters bit for bit those of the eager pass, in one batch and
+    accumulated over two micro-batches of one shape (the same kernels in the same order;
+    float32, where autocast's weight cache, which a graph must do without, plays no part)."""
+    eager, no_calls = _trainer_parameters(monkeypatch, graphed=False, accum=accum)
+    static, calls = _trainer_parameters(monkeypatch, graphed=True, accum=accum)
+    assert no_calls == [] and max(calls) >= 2  # the static path ran, from a shape's 2nd call
+    assert torch.equal(static, eager)
+
+
+def _lm_head_only(model, hidden):  # a forward that leaves every parameter but wte unused
+    return model.lm_head(hidden)
+
+
+def _gradients(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_two_forwards_before_one_backward_and_unused_parameters(tiny):
+    """The static path holds one forward's activations per shape: a backward of an earlier
+    forward of the same shape runs that forward again first, so each output's gradient is
+    its own. A parameter the forward does not use gets no gradient, as eagerly; gradients
+    from two backwards add up in .grad."""
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    xs = [torch.randn(2, 3, model.config.n_embd, generator=torch.Generator().manual_seed(i))
+          for i in range(3)]
+    expected = []  # eagerly: the first one's gradient, then both added up
+    for pair in ((xs[1],), (xs[1], xs[2])):
+        model.zero_grad(set_to_none=True)
+        for x in pair:
+            (_lm_head_only(model, x) ** 2).sum().backward()
+        expected.append(_gradients(model))
+    model.zero_grad(set_to_none=True)
+    graphs.graphed(_lm_head_only, model, xs[0], static=True)  # a shape's first call: eager
+    call = graphs.training_calls(model)[-1]
+    first = graphs.graphed(_lm_head_only, model, xs[1], static=True)
+    second = graphs.graphed(_lm_head_only, model, xs[2], static=True)
+    assert call.calls == 3 and call.forwards == 2
+    assert torch.equal(first, _lm_head_only(model, xs[1]).detach())
+    for output, want in ((first, expected[0]), (second, expected[1])):
+        (output ** 2).sum().backward()  # the first forward's, after the second's ran
+        got = _gradients(model)
+        assert [n for n, g in got.items() if g is not None] == ["transformer.wte.weight"]
+        assert all(want[n] is None for n, g in got.items() if g is None)
+        assert torch.equal(got["transformer.wte.weight"], want["transformer.wte.weight"])
+
+
+def test_no_training_graph_under_a_process_group(tiny, tmp_path):
+    """With a process group up (DDP), the training forward stays eager: DDP's gradient
+    bookkeeping follows the eager forward. The trainer also passes no graph there."""
+    import torch.distributed as dist
+
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    x = torch.randn(2, 3, model.config.n_embd)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        for _ in range(3):
+            graphs.graphed(_lm_head_only, model, x, static=True)
+        assert graphs.training_calls(model) == []
+    finally:
+        dist.destroy_process_group()
+    for _ in range(2):
+        graphs.graphed(_lm_head_only, model, x, static=True)
+    assert len(graphs.training_calls(model)) == 1
+
+
+def test_training_passes_stay_few_in_all_and_let_their_model_go(tiny):
+    """Each kept training pass holds a model's gradients and activations: at most
+    KEPT_TRAINING are kept in the process, over every model (a notebook keeps dozens of
+    trainers), the least recently used dropped first; none keeps its model alive."""
+    model, _ = tiny
+    x = torch.randn(2, 3, model.config.n_embd)
+    models = [copy.deepcopy(model).train() for _ in range(graphs.KEPT_TRAINING + 1)]
+    for m in models:
+        for _ in range(2):
+            graphs.graphed(_lm_head_only, m, x, static=True)
+    assert len(graphs._KEPT_TRAINING) == graphs.KEPT_TRAINING
+    assert graphs.training_calls(models[0]) == []  # the oldest went
+    assert all(len(graphs.training_calls(m)) == 1 for m in models[1:])
+    alive = weakref.ref(models[-1])
+    del models, m
+    gc.collect()
+    assert alive() is None
