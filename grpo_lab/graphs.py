@@ -45,6 +45,7 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .config import ConfigError
 from .fast import _global_hooks, gpt2_forward, hooked
@@ -285,7 +286,8 @@ def graphed(fn, model, *tensors: torch.Tensor, static: bool | None = None) -> to
         call = _kept(model, key, lambda amp: GraphedCall(fn, model, tensors, amp))
         return call(*tensors)
     if (torch.is_grad_enabled() and _applies(model, tensors[0].device, static)
-            and not _distributed() and any(p.requires_grad for p in model.parameters())):
+            and not _distributed() and any(p.requires_grad for p in model.parameters())
+            and not any(t.requires_grad for t in tensors)):  # gradients for parameters only
         key = (fn, model.training, tuple(p.requires_grad for p in model.parameters()),
                *((t.shape, t.dtype, t.device) for t in tensors))
         call = _kept(model, key, lambda amp: TrainingCall(fn, model, tensors, amp),
@@ -335,6 +337,12 @@ class TrainingCall:
     gradients leave the graph as one fresh copy (make_graphed_callables hands out its static
     buffers, which the next replay overwrites: with two micro-batches of one shape, .grad
     would hold the second twice), and a failed capture warns and runs the eager forward.
+    The forward runs on aliases of the parameters (the same storage, so a replay reads the
+    parameters as they are then), which the backward differentiates: the parameters' own
+    gradient accumulators are autograd's for `_Replayed`, made on the caller's stream, and
+    never enter a capture (one made before it, by a graph still alive, would make the
+    capture wait on the default stream, which a capture cannot; one made during it would
+    pin every later accumulation to the capture's stream).
     With graph=False (the CPU), the same calls over the same static inputs without a graph:
     how tests/test_graphs.py checks the gradients against the eager ones."""
 
@@ -345,11 +353,13 @@ class TrainingCall:
         self.use_graph = self.device.type == "cuda"
         self.forward_graph = self.backward_graph = None
         self.output = self.grad_output = None  # the forward's output, with its autograd graph
+        self.aliases = None  # the parameters' aliases it was computed from (no graph only)
         self.static_output = None  # its values, in the buffer the next forward overwrites
         self.grads = None  # the backward's gradients: static buffers that the next one reuses
         self.unused: list[bool] = []  # per parameter: the output does not depend on it
         self.calls = 0
-        self.forwards = 0  # which forward the static output holds (see backward_pass)
+        self.forwards = 0  # forwards so far: the last one's activations are held ...
+        self.live = None  # ... until its backward has used them: then None
         self.broken = False  # a capture failed: fn runs as it is from then on
 
     def params(self) -> list[torch.Tensor]:
@@ -372,15 +382,23 @@ class TrainingCall:
         return torch.autocast(self.device.type, dtype=dtype, enabled=enabled,
                               cache_enabled=False)  # a graph records the weights' casts
 
-    def _forward(self) -> torch.Tensor:
-        with torch.enable_grad(), self._autocast():
-            return self.fn(self.model_ref(), *self.inputs)
+    def _forward(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """fn over the static inputs and aliases of the trainable parameters (tied ones
+        stay tied): (output, aliases)."""
+        model = self.model_ref()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        aliases = [p.detach().requires_grad_() for _, p in named]
+        with torch.enable_grad(), self._autocast(), _reparametrize_module(
+                model, {n: a for (n, _), a in zip(named, aliases, strict=True)},
+                tie_weights=True):
+            return self.fn(model, *self.inputs), aliases
 
-    def _gradients(self, output, grad_output) -> list[torch.Tensor]:
+    def _gradients(self, output, aliases, grad_output) -> list[torch.Tensor]:
         """The gradients of the parameters the output depends on, for d(output) =
         grad_output; `unused` marks the others (they get no gradient, as in an eager
-        backward)."""
-        grads = torch.autograd.grad(output, self.params(), grad_output, allow_unused=True)
+        backward). Outside autocast, as the step's own backward runs."""
+        with torch.autocast(self.device.type, enabled=False):
+            grads = torch.autograd.grad(output, aliases, grad_output, allow_unused=True)
         self.unused = [g is None for g in grads]
         return [g for g in grads if g is not None]
 
@@ -388,31 +406,33 @@ class TrainingCall:
         """The output (a copy: the next forward overwrites the static one), and which
         forward it was."""
         if self.forward_graph is None:
-            self.output = self._forward()
+            self.output, self.aliases = self._forward()
             self.static_output = _into(self.static_output, self.output.detach())
         else:
             self.forward_graph.replay()
         self.forwards += 1
+        self.live = self.forwards
         return self.static_output.clone(), self.forwards
 
     def backward_pass(self, grad_output: torch.Tensor, tensors, forward: int
                       ) -> list[torch.Tensor | None]:
         """The parameters' gradients for d(output) = grad_output, of the output of the
-        `forward`-th forward, whose inputs were `tensors`. When another forward of this shape
-        ran since (the same rows' logits taken twice before one backward), the activations
-        now held are that one's: the forward is run again on its own inputs first."""
-        if forward != self.forwards:
+        `forward`-th forward, whose inputs were `tensors`. Where its activations are not the
+        ones held (another forward of this shape ran since, or a backward already used them:
+        a second backward with retain_graph), the forward is run again on its inputs first."""
+        if forward != self.live:
             for static, t in zip(self.inputs, tensors, strict=True):
                 static.copy_(t)
             self.forward_pass()
         if self.backward_graph is None:
-            grads = self._gradients(self.output, grad_output)
+            grads = self._gradients(self.output, self.aliases, grad_output)
             self.grads = [_into(b, g) for b, g in zip(self.grads or [None] * len(grads), grads,
                                                       strict=True)]
-            self.output = None  # its autograd graph is used: let it go
+            self.output = self.aliases = None  # its autograd graph is used: let it go
         else:
             self.grad_output.copy_(grad_output)
             self.backward_graph.replay()
+        self.live = None  # the backward's temporaries took the activations' memory
         # the static buffers are the next call's: copied, fresh for .grad (see the class), in
         # one kernel: one flat tensor, which each gradient views. Without a graph too, so
         # that tests see a replay's reuse
@@ -435,39 +455,40 @@ class TrainingCall:
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        out = self._forward()
+                        out, aliases = self._forward()
                         probe = torch.ones_like(out)  # any fixed d(output) will do
-                        expected_grads = self._gradients(out, probe)
+                        expected_grads = self._gradients(out, aliases, probe)
                         expected = out.detach()
-                        del out
+                        del out, aliases
                 torch.cuda.current_stream(device).wait_stream(side)
                 torch.cuda.synchronize(device)
                 forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 with torch.cuda.stream(torch.cuda.Stream(device)):
                     forward_graph.capture_begin()
                     try:
-                        output = self._forward()
+                        output, aliases = self._forward()
                     finally:
                         forward_graph.capture_end()
                     grad_output = torch.empty_like(output)
                     backward_graph.capture_begin(pool=forward_graph.pool())
                     try:
-                        grads = self._gradients(output, grad_output)
+                        grads = self._gradients(output, aliases, grad_output)
                     finally:
                         backward_graph.capture_end()
-                output.detach().fill_(float("nan"))
+                    output = output.detach()  # the captured autograd graph is not kept
+                    del aliases
+                output.fill_(float("nan"))
                 for g in grads:
                     g.fill_(float("nan"))
                 forward_graph.replay()
                 grad_output.copy_(probe)
                 backward_graph.replay()
-                if not (_same_output(output.detach(), expected) and all(
+                if not (_same_output(output, expected) and all(
                         map(_same_output, grads, expected_grads))):
                     raise RuntimeError("its first replay did not give the warm-up's output "
                                        "and gradients")
             self.forward_graph, self.backward_graph = forward_graph, backward_graph
-            self.output, self.grad_output, self.grads = output, grad_output, grads
-            self.static_output = output.detach()
+            self.grad_output, self.grads, self.static_output = grad_output, grads, output
         except Exception as e:  # noqa: BLE001 - any capture failure: run without the graph
             self.broken, self.output = True, None
             warnings.warn(f"{GRAPHS_ENV}=1: a training forward could not be captured as CUDA "

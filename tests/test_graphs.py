@@ -375,13 +375,15 @@ def _trainer_parameters(monkeypatch, graphed: bool, accum: int, steps: int = 3):
     return torch.cat([p.detach().flatten() for p in trainer.policy.parameters()]), calls
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [1, 2, 3])
 def test_the_training_pass_over_static_inputs_trains_as_the_eager_one(monkeypatch, accum):
     """The trainer's training forward and backward through graphed() (CUDA graphs on a GPU
     with GRPO_LAB_CUDA_GRAPHS=1; here the same calls over static inputs without a graph):
-    after three steps the parameters bit for bit those of the eager pass, in one batch and
-    accumulated over two micro-batches of one shape (the same kernels in the same order;
-    float32, where autocast's weight cache, which a graph must do without, plays no part)."""
+    after three steps the parameters bit for bit those of the eager pass, in one batch,
+    accumulated over two micro-batches of one shape, and over three of two shapes (22, 21
+    and 21 rows); the same kernels in the same order, with GPT-2's tied embedding and LM
+    head (float32, where autocast's weight cache, which a graph must do without, plays no
+    part)."""
     eager, no_calls = _trainer_parameters(monkeypatch, graphed=False, accum=accum)
     static, calls = _trainer_parameters(monkeypatch, graphed=True, accum=accum)
     assert no_calls == [] and max(calls) >= 2  # the static path ran, from a shape's 2nd call
@@ -464,3 +466,69 @@ def test_training_passes_stay_few_in_all_and_let_their_model_go(tiny):
     del models, m
     gc.collect()
     assert alive() is None
+
+
+def test_a_second_backward_and_an_input_that_wants_a_gradient(tiny):
+    """A backward with retain_graph, then another of the same output: the activations the
+    first one used are gone (on a GPU its temporaries took their memory), so the second
+    runs the forward again and gets the same gradient, as eagerly (.grad twice it). An
+    input that requires a gradient: no TrainingCall (it differentiates parameters only),
+    the forward itself."""
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    x = torch.randn(2, 3, model.config.n_embd, generator=torch.Generator().manual_seed(0))
+    (_lm_head_only(model, x) ** 2).sum().backward(retain_graph=True)
+    once = model.transformer.wte.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        out = graphs.graphed(_lm_head_only, model, x, static=True)
+    loss = (out ** 2).sum()
+    loss.backward(retain_graph=True)
+    assert torch.equal(model.transformer.wte.weight.grad, once)
+    loss.backward()
+    assert torch.equal(model.transformer.wte.weight.grad, once + once)
+    calls = len(graphs.training_calls(model))
+    wanting = x.clone().requires_grad_()
+    for _ in range(2):
+        (graphs.graphed(_lm_head_only, model, wanting, static=True) ** 2).sum().backward()
+    assert len(graphs.training_calls(model)) == calls and wanting.grad is not None
+
+
+def _leaves(output):
+    """The tensors whose gradient accumulators output's autograd graph reaches."""
+    seen, todo, found = set(), [output.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            found.append(node.variable)
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def test_the_training_forward_differentiates_aliases_of_the_parameters(tiny):
+    """The static forward runs on aliases of the parameters (the same storage), never on
+    the parameters themselves: their gradient accumulators are autograd's for the replayed
+    call, made on the caller's stream, and none enters a capture (on a GPU, one a live
+    graph holds would make the capture wait on the default stream). After the backward,
+    nothing of the forward's autograd graph is kept, so a dropped model's parameters go."""
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    x = torch.randn(2, 3, model.config.n_embd)
+    params = list(model.parameters())
+    for _ in range(2):
+        out = graphs.graphed(_lm_head_only, model, x, static=True)
+    call = graphs.training_calls(model)[-1]
+    leaves = _leaves(call.output)
+    assert len(leaves) == 1 and leaves[0] is not model.transformer.wte.weight
+    assert leaves[0].data_ptr() == model.transformer.wte.weight.data_ptr()
+    # the caller's output: the replayed call, a Function of the parameters themselves
+    assert {id(v) for v in _leaves(out)} == {id(p) for p in params}
+    (out ** 2).sum().backward()
+    assert call.output is None and call.aliases is None
+    kept = weakref.ref(params[0])
+    del model, params, out, leaves
+    gc.collect()
+    assert kept() is None
