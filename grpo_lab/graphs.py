@@ -344,7 +344,9 @@ class TrainingCall:
     capture wait on the default stream, which a capture cannot; one made during it would
     pin every later accumulation to the capture's stream).
     With graph=False (the CPU), the same calls over the same static inputs without a graph:
-    how tests/test_graphs.py checks the gradients against the eager ones."""
+    how tests/test_graphs.py checks the gradients against the eager ones. There the forward's
+    autograd graph (over the aliases, so the parameters' storage) is held from a forward to
+    its backward, as an eager forward's is; with a graph, nothing of it is kept."""
 
     def __init__(self, fn, model, tensors, amp: tuple[bool, torch.dtype]):
         self.fn, self.model_ref, self.amp = fn, weakref.ref(model), amp
@@ -357,6 +359,9 @@ class TrainingCall:
         self.static_output = None  # its values, in the buffer the next forward overwrites
         self.grads = None  # the backward's gradients: static buffers that the next one reuses
         self.unused: list[bool] = []  # per parameter: the output does not depend on it
+        # the trainable parameters' shapes, for the gradients' views (a backward may come
+        # after the model has gone: eagerly it still runs)
+        self.shapes = [p.shape for p in self.params()]
         self.calls = 0
         self.forwards = 0  # forwards so far: the last one's activations are held ...
         self.live = None  # ... until its backward has used them: then None
@@ -438,9 +443,9 @@ class TrainingCall:
         # that tests see a replay's reuse
         flat = torch.cat([g.reshape(-1) for g in self.grads])
         grads, start = [], 0
-        for p, unused in zip(self.params(), self.unused, strict=True):
-            n = 0 if unused else p.numel()
-            grads.append(None if unused else flat[start:start + n].view_as(p))
+        for shape, unused in zip(self.shapes, self.unused, strict=True):
+            n = 0 if unused else shape.numel()
+            grads.append(None if unused else flat[start:start + n].view(shape))
             start += n
         return grads
 

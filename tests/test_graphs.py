@@ -380,10 +380,10 @@ def test_the_training_pass_over_static_inputs_trains_as_the_eager_one(monkeypatc
     """The trainer's training forward and backward through graphed() (CUDA graphs on a GPU
     with GRPO_LAB_CUDA_GRAPHS=1; here the same calls over static inputs without a graph):
     after three steps the parameters bit for bit those of the eager pass, in one batch,
-    accumulated over two micro-batches of one shape, and over three of two shapes (22, 21
-    and 21 rows); the same kernels in the same order, with GPT-2's tied embedding and LM
-    head (float32, where autocast's weight cache, which a graph must do without, plays no
-    part)."""
+    accumulated over two micro-batches of one shape (the second reuses the first one's
+    buffers), and over three of unequal sizes (22, 21 and 21 rows, each its own shapes); the
+    same kernels in the same order, with GPT-2's tied embedding and LM head (float32, where
+    autocast's weight cache, which a graph must do without, plays no part)."""
     eager, no_calls = _trainer_parameters(monkeypatch, graphed=False, accum=accum)
     static, calls = _trainer_parameters(monkeypatch, graphed=True, accum=accum)
     assert no_calls == [] and max(calls) >= 2  # the static path ran, from a shape's 2nd call
@@ -513,7 +513,8 @@ def test_the_training_forward_differentiates_aliases_of_the_parameters(tiny):
     the parameters themselves: their gradient accumulators are autograd's for the replayed
     call, made on the caller's stream, and none enters a capture (on a GPU, one a live
     graph holds would make the capture wait on the default stream). After the backward,
-    nothing of the forward's autograd graph is kept, so a dropped model's parameters go."""
+    the call keeps no tensor on the parameters' storage; a backward after the model has
+    gone still runs, as eagerly."""
     model, _ = tiny
     model = copy.deepcopy(model).train()
     x = torch.randn(2, 3, model.config.n_embd)
@@ -528,7 +529,12 @@ def test_the_training_forward_differentiates_aliases_of_the_parameters(tiny):
     assert {id(v) for v in _leaves(out)} == {id(p) for p in params}
     (out ** 2).sum().backward()
     assert call.output is None and call.aliases is None
-    kept = weakref.ref(params[0])
-    del model, params, out, leaves
+    held = [t for t in (call.static_output, *call.inputs, *call.grads)]
+    storage = {p.untyped_storage().data_ptr() for p in params}
+    assert not any(t.untyped_storage().data_ptr() in storage for t in held)
+    out = graphs.graphed(_lm_head_only, model, x, static=True)
+    wte = model.transformer.wte.weight
+    del model, params, leaves
     gc.collect()
-    assert kept() is None
+    (out ** 2).sum().backward()  # the model has gone; its parameter is the caller's
+    assert wte.grad is not None and wte.grad.shape == wte.shape
