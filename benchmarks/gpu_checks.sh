@@ -84,7 +84,7 @@ if [ "$device" = cuda ] && [ -z "${NOTEBOOK_WORKERS:-}" ]; then
   NOTEBOOK_WORKERS=$("$py" -c "import torch; print(max(1, min(14, torch.cuda.get_device_properties(0).total_memory // (11 << 30))))" 2>/dev/null || echo 7)
 fi
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-reserve=${RESERVE:-180}  # seconds kept for steps 3 to 6 after the notebooks (about 150 on an H100)
+reserve=${RESERVE:-200}  # seconds kept for steps 3 to 6 after the notebooks (199 on an H200, 2026-11-28, before the training check)
 run environment "$py" -c "import torch, transformers, trl; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 if [ "$device" = cuda ]; then
   run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; from grpo_lab.models import count_parameters; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {count_parameters(m)} parameters, {time.time() - t:.1f} s')"
