@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = json.loads(bench_file.read_text())["figures"]
         bench = {side: {k: figures[side][k] for k in ("s_per_step", "tokens_per_s", "mfu")}
                  for side in ("grpo_lab", "TRL")}
-        bench |= {k: figures[k] for k in ("step_time_ratio", "accuracy_delta", "peak_tflops")}
+        bench |= {k: figures[k] for k in ("step_time_ratio", "accuracy_delta", "peak_tflops",
+                                          "cuda_graphs") if k in figures}
     step_profile = {}  # where grpo_lab's step goes, per phase (benchmarks/step_profile.py)
     profile_file = args.out / "step_profile.json"
     if profile_file.exists():
@@ -117,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         step_profile = {"wall_ms": figures["wall_ms"], "phases": {
             phase: {k: round(row[k], 2) for k in ("host_ms", "device_ms", "launches", "syncs")}
             for phase, row in figures["phases"].items()}}
-    decode_graphs = {}  # the graphs' check (decode step, reference's forward), per amp
+    decode_graphs = {}  # the graphs' check (decode step, reference's forward, training), per amp
     for path in sorted(args.out.glob("decode_graphs*.json")):
         figures = json.loads(path.read_text())
         decode_graphs[figures["amp"]] = figures
-    if bench and (switch := graph_switch(args.out / "bench.txt")) is not None:
+    # a bench from before it recorded its switch: its command line's
+    if bench and "cuda_graphs" not in bench and (
+            switch := graph_switch(args.out / "bench.txt")) is not None:
         bench["cuda_graphs"] = switch
     notebooks = notebook_results(args.out / "notebooks.xml", args.notebooks)
     if (switch := graph_switch(args.out / "notebooks.txt")) is not None:

@@ -45,6 +45,7 @@ def test_quick_mode_trains_both_sides(tmp_path, capsys):
         assert mfu.endswith("%") and abs(float(mfu[:-1]) - want) < 0.006, (mfu, want)
     assert figures["grpo_lab"]["matmul_params"] == figures["TRL"]["matmul_params"]
     assert figures["grpo_lab"]["prompt_tokens"] == figures["TRL"]["prompt_tokens"] > 3
+    assert figures["figures"]["cuda_graphs"] is False  # graphs.py replays on CUDA only
 
 
 @pytest.mark.parametrize("argv, field", [

@@ -36,6 +36,7 @@ import tempfile
 import time
 
 from ..config import PROFILE_MODELS, preset
+from ..graphs import GRAPHS_ENV, graphs_wanted
 from ..memo import once_per_session
 from ..models import quiet_loading
 from ..policy import load_policy
@@ -412,7 +413,9 @@ def summary(results: dict, args: argparse.Namespace, seeds: list[int]) -> str:
         f"{cfg.max_new_tokens} new tokens, T={cfg.temperature:g}, lr {cfg.learning_rate:g} "
         f"(constant), beta {cfg.beta:g}, loss {cfg.loss_type}, max_grad_norm "
         f"{cfg.max_grad_norm:g}, {len(seeds)} seed(s), "
-        + ("bf16 autocast, fp32 weights" if cfg.amp == "bf16" else "float32"),
+        + ("bf16 autocast, fp32 weights" if cfg.amp == "bf16" else "float32")
+        + (f", grpo_lab's CUDA graphs {'on' if figures['cuda_graphs'] else 'off'} "
+           f"({GRAPHS_ENV})" if args.device == "cuda" else ""),
         "",
         *table,
         *(per_seed if len(seeds) > 1 else []),
@@ -454,6 +457,8 @@ def headline(results: dict, args: argparse.Namespace) -> dict:
         }
     out["step_time_ratio"] = out["grpo_lab"]["s_per_step"] / out["TRL"]["s_per_step"]
     out["accuracy_delta"] = out["grpo_lab"]["accuracy"] - out["TRL"]["accuracy"]
+    # grpo_lab's side replays its forwards as CUDA graphs where this is on (graphs.py)
+    out["cuda_graphs"] = args.device == "cuda" and graphs_wanted()
     return out
 
 
