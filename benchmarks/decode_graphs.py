@@ -66,7 +66,8 @@ def reference_forward(model, ids, mask, C: int, static: bool) -> torch.Tensor:
         return fast.shared_prompt_logits(model, ids, mask, C, run_forward=run_forward)
 
 
-def training_gradient(model, ids, mask, completions, drawn, static: bool, amp) -> torch.Tensor:
+def training_gradient(model, ids, mask, completions, drawn, static: bool,
+                      amp) -> list[torch.Tensor]:
     """The gradient of the drawn tokens' mean log-probability, as the step takes it
     (fast.shared_prompt_logits with autograd on), accumulated over the rows' two halves, as
     a float64 vector per parameter; eager, or through graphs.graphed (CUDA graphs on a

@@ -16,8 +16,8 @@
 #   3. reports 000 and 002 as device-side asserts, each in a fresh process, and what the next
 #      CUDA call in that process does; 4. the peak-memory table; 5. the sampler's decode step,
 #      the reference's forward and the training pass as CUDA graphs against the eager ones,
-#      bf16 and float32 (benchmarks/decode_graphs.py); grpo_lab vs TRL: s/step, tokens/s, MFU, with the graphs
-#      on (BENCH_GRAPHS=0: off), then where grpo_lab's step goes without them
+#      bf16 and float32 (benchmarks/decode_graphs.py); grpo_lab vs TRL: s/step, tokens/s, MFU,
+#      with the graphs on (BENCH_GRAPHS=0: off), then where grpo_lab's step goes without them
 #      (benchmarks/step_profile.py);
 #   6. summary.json: card, date, commit, notebooks passed and total, seconds, the bench per
 #      side, the step-time ratio, the step's profile per phase.
@@ -84,7 +84,9 @@ if [ "$device" = cuda ] && [ -z "${NOTEBOOK_WORKERS:-}" ]; then
   NOTEBOOK_WORKERS=$("$py" -c "import torch; print(max(1, min(14, torch.cuda.get_device_properties(0).total_memory // (11 << 30))))" 2>/dev/null || echo 7)
 fi
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-reserve=${RESERVE:-200}  # seconds kept for steps 3 to 6 after the notebooks (199 on an H200, 2026-11-28, before the training check)
+# seconds kept for steps 3 to 6 after the notebooks (199 on an H200, 2026-11-28, before the
+# training check was added)
+reserve=${RESERVE:-200}
 run environment "$py" -c "import torch, transformers, trl; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 if [ "$device" = cuda ]; then
   run warm-start "$py" -c "import time; t = time.time(); from grpo_lab.policy import gpu_policy; from grpo_lab.models import count_parameters; m, _ = gpu_policy(); print(f'GPT-2 124M ready: {count_parameters(m)} parameters, {time.time() - t:.1f} s')"
@@ -135,7 +137,8 @@ if [ "$device" = cuda ]; then  # float32 too: another attention kernel than bf16
     --batches 10 --amp none --json "$out/decode_graphs_fp32.json"
 fi
 # the bench with the decode step, the reference's forward and the training pass as CUDA
-# graphs (grpo_lab/graphs.py; checked by decode-graphs above); the step profile below runs without them
+# graphs (grpo_lab/graphs.py; checked by decode-graphs above); the step profile below runs
+# without them
 run bench env GRPO_LAB_CUDA_GRAPHS="${BENCH_GRAPHS:-1}" "$py" -m grpo_lab bench --device "$device" \
   --profile "$profile" "${bench[@]}" --json "$out/bench.json"
 # where grpo_lab's step goes on this device: host and device time, kernel launches and

@@ -7,7 +7,7 @@ code cells passed under nbval; one the deadline cut short is listed as not finis
 seconds of the whole run and of the notebooks; the bench per side (s/step, completion
 tokens/s, MFU against the card's peak), the step-time ratio grpo_lab/TRL and whether the
 bench ran with CUDA graphs; the step's profile per phase; the graphs' check per amp
-(benchmarks/decode_graphs.py: the decode step and the reference's forward); the exit code
+(benchmarks/decode_graphs.py: the decode step, the reference's forward, the training pass); the exit code
 of each other command. Prints the summary too.
 """
 
@@ -85,8 +85,8 @@ def card(out: Path) -> tuple[str, str]:
 
 
 def graph_switch(command_output: Path) -> bool | None:
-    """Whether a command ran with the CUDA graphs on: its output's first line is the command,
-    with GRPO_LAB_CUDA_GRAPHS=0 or 1 (None: not run, or not set)."""
+    """Whether a command ran with the CUDA graphs on (the notebooks): its output's first line
+    is the command, with GRPO_LAB_CUDA_GRAPHS=0 or 1 (None: not run, or not set)."""
     if not command_output.exists():
         return None
     switch = re.search(r"GRPO_LAB_CUDA_GRAPHS=(\d)", command_output.read_text().split("\n", 1)[0])
@@ -122,10 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(args.out.glob("decode_graphs*.json")):
         figures = json.loads(path.read_text())
         decode_graphs[figures["amp"]] = figures
-    # a bench from before it recorded its switch: its command line's
-    if bench and "cuda_graphs" not in bench and (
-            switch := graph_switch(args.out / "bench.txt")) is not None:
-        bench["cuda_graphs"] = switch
     notebooks = notebook_results(args.out / "notebooks.xml", args.notebooks)
     if (switch := graph_switch(args.out / "notebooks.txt")) is not None:
         notebooks["cuda_graphs"] = switch

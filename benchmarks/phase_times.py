@@ -7,9 +7,9 @@ under CUDA graphs on and off and under each scaled-dot-product-attention backend
 benchmarks/step_profile.py counts what each phase launches, under the profiler, whose own
 overhead lands on the host (171 against 101 ms a step on the H200) and so inflates exactly
 the host-bound parts; this takes plain wall times instead, one variant per fresh Trainer (so
-each captures its own graphs). Each line: the median and the fastest of 20 steps after 6
-warm-up steps; with phases, each phase's median (the training forward is inside
-'loss+backward'; the synchronisations add their own small cost, so these rows run slower)."""
+each captures its own graphs), with step_profile's phases (wrap_phases). Each line: the
+median and the fastest of 20 steps after 6 warm-up steps; with phases, each phase's median
+('loss and backward' holds the training forward)."""
 
 import argparse
 import os
@@ -18,8 +18,8 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from functools import wraps
 
+import step_profile  # benchmarks/step_profile.py, beside this script
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -27,35 +27,21 @@ from grpo_lab import step as step_module
 from grpo_lab.tools.bench import bench_config
 from grpo_lab.trainer import Trainer
 
-PHASES = {"sample_group": "sample", "accumulate": "loss+backward",
-          "_training_logits": "train fwd", "check_health": "health", "step_metrics": "metrics",
-          "shared_prompt_logits": "ref", "completion_logits": "ref"}
-ORIGINAL = {name: getattr(step_module, name) for name in PHASES}
-phase_ms: dict[str, list[float]] = defaultdict(list)
-
-
-def synced(fn, label):
-    @wraps(fn)
-    def run(*args, **kwargs):
-        if label == "ref" and torch.is_grad_enabled():
-            return fn(*args, **kwargs)  # the training forward: _training_logits has it
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.cuda.synchronize()
-            phase_ms[label].append(1e3 * (time.perf_counter() - t0))
-    return run
+# the step's functions as they are, put back before each variant (wrap_phases replaces them)
+ORIGINAL = {name: getattr(step_module, name)
+            for name in (*step_profile.PHASES, *step_profile.FORWARDS)}
 
 
 def variant(name, graphs_on, backends, phases=False, steps=20, warmup=6):
     os.environ["GRPO_LAB_CUDA_GRAPHS"] = "1" if graphs_on else "0"
     for fn_name, fn in ORIGINAL.items():
-        setattr(step_module, fn_name, synced(fn, PHASES[fn_name]) if phases else fn)
+        setattr(step_module, fn_name, fn)
     cfg = bench_config(argparse.Namespace(seed=0, steps=warmup + steps + 5, profile="gpu",
                                           device="cuda", amp="bf16"))
     trainer = Trainer(cfg)
+    phase_ms: dict[str, list[float]] = defaultdict(list)
+    if phases:
+        step_profile.wrap_phases(trainer, phase_ms, sync=torch.cuda.synchronize)
     times = []
     with sdpa_kernel(backends) if backends else nullcontext():  # None: torch's own choice
         for i in range(warmup + steps):

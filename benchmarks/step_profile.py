@@ -41,18 +41,24 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 COPIES = ("cudaMemcpy", "cudaMemcpyAsync")
 
 
-def wrap_phases(trainer: Trainer, host_ms: dict) -> None:
-    """Label each phase for the profiler and time it on the host (perf_counter)."""
+def wrap_phases(trainer: Trainer, host_ms: dict, sync=None) -> None:
+    """Label each phase for the profiler and time it on the host (perf_counter). With
+    `sync` (torch.cuda.synchronize: benchmarks/phase_times.py), the device is caught up at
+    each phase's ends, so that each time is the phase's own wall time."""
     def labelled(fn, label):
         @wraps(fn)
         def run(*args, **kwargs):
             if label == "reference forward" and torch.is_grad_enabled():
                 return fn(*args, **kwargs)  # a training forward: _training_logits has it
             with record_function(f"phase: {label}"):
+                if sync:
+                    sync()
                 t0 = time.perf_counter()
                 try:
                     return fn(*args, **kwargs)
                 finally:
+                    if sync:
+                        sync()
                     host_ms[label].append(1e3 * (time.perf_counter() - t0))
         return run
 

@@ -179,8 +179,8 @@ def resolve_profile(profile: str | None = None) -> str:
 
     'cpu' also on a machine with CUDA: the notebooks' claims are measured on the tiny GPT-2
     on every CI run, and on GPT-2 124M only when a GPU run is made (28 of 28 notebooks passed
-    on an H200 on 2026-11-28, benchmarks/gpu/summary.json), so the gpu profile is chosen on purpose, never
-    by the hardware found."""
+    on an H200 on 2026-11-28, benchmarks/gpu/summary.json), so the gpu profile is chosen on
+    purpose, never by the hardware found."""
     if profile is None:
         env = os.environ.get("GRPO_LAB_PROFILE", "").strip()
         if env:

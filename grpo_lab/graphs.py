@@ -43,6 +43,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
+from functools import partial
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
@@ -89,9 +90,9 @@ def _applies(model, device: torch.device, static: bool | None) -> bool:
 def _kept(model, key: tuple, build, training: bool = False):
     """The graph kept for (model, key), built by build() the first time; at most
     KEPT_PER_MODEL per model, and KEPT_TRAINING training passes in all, the least recently
-    used dropped first. The key holds the
-    parameters' addresses (a graph reads them there: new tensors, a reload, need a new one),
-    the modules, and the autocast state (a graph records the casts)."""
+    used dropped first. The key holds the parameters' addresses (a graph reads them there:
+    new tensors, a reload, need a new one), the modules, and the autocast state (a graph
+    records the casts)."""
     device = next(model.parameters()).device
     amp = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
     key = (*key, amp, tuple(p.data_ptr() for p in model.parameters()),
@@ -132,6 +133,58 @@ def _same_output(replayed: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool((e[finite] - r[finite]).abs().max() <= 0.05 * scale)
 
 
+def _autocast(device: torch.device, amp: tuple[bool, torch.dtype]):
+    """autocast as `amp` = (enabled, dtype) records it, its cache of the weights' casts off:
+    a graph records the casts themselves."""
+    enabled, dtype = amp
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
+
+
+def _warmed_up(device: torch.device, run):
+    """run() twice on a side stream, as a capture needs first (lazy initialisations, cuBLAS's
+    workspaces), the device caught up after: the last run's result."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            result = run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    return result
+
+
+def _recorded(graph: torch.cuda.CUDAGraph, run, pool=None):
+    """run() captured into graph on the current stream (one of the buffers' device: a
+    capture on another device's stream records nothing), sharing `pool` where given: its
+    result. capture_begin/end by hand, not torch.cuda.graph, whose __enter__ leaves its
+    stream current for good when capture_begin raises."""
+    graph.capture_begin(pool=pool)
+    try:
+        return run()
+    finally:
+        graph.capture_end()
+
+
+def _load(statics: list[torch.Tensor], tensors) -> None:
+    """The inputs' values into the static copies a graph reads."""
+    for static, t in zip(statics, tensors, strict=True):
+        static.copy_(t)
+
+
+def _into(buffer: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """values, copied into buffer (a new one where there is none of their shape and dtype)."""
+    if buffer is None or (buffer.shape, buffer.dtype) != (values.shape, values.dtype):
+        buffer = torch.empty_like(values)
+    return buffer.copy_(values)
+
+
+def _no_graph(what: str, error: Exception) -> None:
+    """A failed capture: said once, as a warning; the computation runs without a graph."""
+    warnings.warn(f"{GRAPHS_ENV}=1: {what} could not be captured as a CUDA graph "
+                  f"({type(error).__name__}: {error}); it runs without one", RuntimeWarning,
+                  stacklevel=5)
+
+
 class Recorded:
     """forward() (a function of static buffers, returning a tensor) as a CUDA graph: captured
     at the first call, replayed after; with graph=False, or after a failed capture, called
@@ -147,44 +200,22 @@ class Recorded:
         if self.use_graph and self.graph is None:
             self._capture()
         if self.graph is None:
-            out = self.forward()
-            if self.output is None or (self.output.shape, self.output.dtype) != (
-                    out.shape, out.dtype):
-                self.output = torch.empty_like(out)
-            return self.output.copy_(out)  # a replay's semantics, also on the CPU (tests)
+            # a replay's semantics, also on the CPU (tests): one buffer, overwritten
+            self.output = _into(self.output, self.forward())
+            return self.output
         self.graph.replay()
         return self.output
 
-    def _autocast(self):
-        enabled, dtype = self.amp
-        # a graph records the casts of the weights: autocast's cache of them must be off
-        return torch.autocast(self.device.type, dtype=dtype, enabled=enabled,
-                              cache_enabled=False)
-
     def _capture(self) -> None:
-        """Warm up twice on a side stream, as CUDA graphs need; capture on a stream of the
-        buffers' device (a capture on another device's stream records nothing); replay
-        once against the warm-up's output. Any failure is a warning, and forward() then
-        runs as it is."""
+        """Warm up, capture, and replay once against the warm-up's output. Any failure is
+        a warning, and forward() then runs as it is."""
         device = self.device
         try:
-            with torch.cuda.device(device):
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side), self._autocast():
-                    for _ in range(2):  # each writes what the replay writes again
-                        expected = self.forward()
-                torch.cuda.current_stream(device).wait_stream(side)
-                torch.cuda.synchronize(device)
+            with torch.cuda.device(device), _autocast(device, self.amp):
+                expected = _warmed_up(device, self.forward)
                 graph = torch.cuda.CUDAGraph()
-                # capture_begin/end by hand, not torch.cuda.graph: its __enter__ leaves its
-                # stream current for good when capture_begin raises
-                with torch.cuda.stream(torch.cuda.Stream(device)), self._autocast():
-                    graph.capture_begin()
-                    try:
-                        self.output = self.forward()
-                    finally:
-                        graph.capture_end()
+                with torch.cuda.stream(torch.cuda.Stream(device)):
+                    self.output = _recorded(graph, self.forward)
                 self.output.fill_(float("nan"))
                 graph.replay()
                 if not _same_output(self.output, expected):
@@ -192,9 +223,7 @@ class Recorded:
             self.graph = graph
         except Exception as e:  # noqa: BLE001 - any capture failure: run without the graph
             self.use_graph, self.output = False, None
-            warnings.warn(f"{GRAPHS_ENV}=1: a forward could not be captured as a CUDA graph "
-                          f"({type(e).__name__}: {e}); it runs without one", RuntimeWarning,
-                          stacklevel=4)
+            _no_graph("a forward", e)
 
 
 def static_decoder(model, cache, columns: int, static: bool | None = None):
@@ -281,15 +310,16 @@ def graphed(fn, model, *tensors: torch.Tensor, static: bool | None = None) -> to
     runs over static copies of the inputs, and its output is returned as a copy. `fn`: a
     module-level function of its tensors' values (a closure over the model would keep the
     model alive) that returns a tensor and reads nothing back to the host."""
-    if torch.is_inference_mode_enabled() and _applies(model, tensors[0].device, static):
-        key = (fn, *((t.shape, t.dtype, t.device) for t in tensors))
-        call = _kept(model, key, lambda amp: GraphedCall(fn, model, tensors, amp))
+    if not _applies(model, tensors[0].device, static):
+        return fn(model, *tensors)
+    shapes = tuple((t.shape, t.dtype, t.device) for t in tensors)
+    if torch.is_inference_mode_enabled():
+        call = _kept(model, (fn, *shapes), lambda amp: GraphedCall(fn, model, tensors, amp))
         return call(*tensors)
-    if (torch.is_grad_enabled() and _applies(model, tensors[0].device, static)
-            and not _distributed() and any(p.requires_grad for p in model.parameters())
+    if (torch.is_grad_enabled() and not _distributed()
+            and any(p.requires_grad for p in model.parameters())
             and not any(t.requires_grad for t in tensors)):  # gradients for parameters only
-        key = (fn, model.training, tuple(p.requires_grad for p in model.parameters()),
-               *((t.shape, t.dtype, t.device) for t in tensors))
+        key = (fn, model.training, tuple(p.requires_grad for p in model.parameters()), *shapes)
         call = _kept(model, key, lambda amp: TrainingCall(fn, model, tensors, amp),
                      training=True)
         return call(*tensors)
@@ -323,8 +353,7 @@ class GraphedCall:
                 raise TypeError(f"graphed: {self.fn.__name__} returned "
                                 f"{type(out).__name__}, not a tensor")
             return out
-        for static, t in zip(self.inputs, tensors, strict=True):
-            static.copy_(t)
+        _load(self.inputs, tensors)
         return self.run().clone()
 
 
@@ -374,18 +403,12 @@ class TrainingCall:
         self.calls += 1
         if self.calls == 1 or self.broken:
             return self.fn(self.model_ref(), *tensors)
-        for static, t in zip(self.inputs, tensors, strict=True):
-            static.copy_(t)
+        _load(self.inputs, tensors)
         if self.use_graph and self.forward_graph is None:
             self._capture()
             if self.broken:
                 return self.fn(self.model_ref(), *tensors)
         return _Replayed.apply(self, tensors, *self.params())
-
-    def _autocast(self):
-        enabled, dtype = self.amp
-        return torch.autocast(self.device.type, dtype=dtype, enabled=enabled,
-                              cache_enabled=False)  # a graph records the weights' casts
 
     def _forward(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """fn over the static inputs and aliases of the trainable parameters (tied ones
@@ -393,7 +416,7 @@ class TrainingCall:
         model = self.model_ref()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         aliases = [p.detach().requires_grad_() for _, p in named]
-        with torch.enable_grad(), self._autocast(), _reparametrize_module(
+        with torch.enable_grad(), _autocast(self.device, self.amp), _reparametrize_module(
                 model, {n: a for (n, _), a in zip(named, aliases, strict=True)},
                 tie_weights=True):
             return self.fn(model, *self.inputs), aliases
@@ -426,8 +449,7 @@ class TrainingCall:
         ones held (another forward of this shape ran since, or a backward already used them:
         a second backward with retain_graph), the forward is run again on its inputs first."""
         if forward != self.live:
-            for static, t in zip(self.inputs, tensors, strict=True):
-                static.copy_(t)
+            _load(self.inputs, tensors)
             self.forward_pass()
         if self.backward_graph is None:
             grads = self._gradients(self.output, self.aliases, grad_output)
@@ -450,36 +472,25 @@ class TrainingCall:
         return grads
 
     def _capture(self) -> None:
-        """Warm up twice on a side stream; capture the forward, then the backward, on one
-        stream, in one pool; replay both once against the warm-up's output and gradients.
-        Any failure: a warning, and fn runs as it is from then on."""
+        """Warm up; capture the forward, then the backward, on one stream, in one pool;
+        replay both once against the warm-up's output and gradients. Any failure: a
+        warning, and fn runs as it is from then on."""
         device = self.device
+
+        def warm_up():
+            out, aliases = self._forward()
+            probe = torch.ones_like(out)  # any fixed d(output) will do
+            return out.detach(), probe, self._gradients(out, aliases, probe)
+
         try:
             with torch.cuda.device(device):
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        out, aliases = self._forward()
-                        probe = torch.ones_like(out)  # any fixed d(output) will do
-                        expected_grads = self._gradients(out, aliases, probe)
-                        expected = out.detach()
-                        del out, aliases
-                torch.cuda.current_stream(device).wait_stream(side)
-                torch.cuda.synchronize(device)
+                expected, probe, expected_grads = _warmed_up(device, warm_up)
                 forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 with torch.cuda.stream(torch.cuda.Stream(device)):
-                    forward_graph.capture_begin()
-                    try:
-                        output, aliases = self._forward()
-                    finally:
-                        forward_graph.capture_end()
+                    output, aliases = _recorded(forward_graph, self._forward)
                     grad_output = torch.empty_like(output)
-                    backward_graph.capture_begin(pool=forward_graph.pool())
-                    try:
-                        grads = self._gradients(output, aliases, grad_output)
-                    finally:
-                        backward_graph.capture_end()
+                    grads = _recorded(backward_graph, partial(
+                        self._gradients, output, aliases, grad_output), forward_graph.pool())
                     output = output.detach()  # the captured autograd graph is not kept
                     del aliases
                 output.fill_(float("nan"))
@@ -496,16 +507,7 @@ class TrainingCall:
             self.grad_output, self.grads, self.static_output = grad_output, grads, output
         except Exception as e:  # noqa: BLE001 - any capture failure: run without the graph
             self.broken, self.output = True, None
-            warnings.warn(f"{GRAPHS_ENV}=1: a training forward could not be captured as CUDA "
-                          f"graphs ({type(e).__name__}: {e}); it runs without them",
-                          RuntimeWarning, stacklevel=4)
-
-
-def _into(buffer: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
-    """values, copied into buffer (a new one where there is none of their shape and dtype)."""
-    if buffer is None or (buffer.shape, buffer.dtype) != (values.shape, values.dtype):
-        buffer = torch.empty_like(values)
-    return buffer.copy_(values)
+            _no_graph("a training forward and its backward", e)
 
 
 class _Replayed(torch.autograd.Function):

@@ -213,9 +213,9 @@ class Trainer:
         # group share their prompt's forward (fast.py) except under activation
         # checkpointing, which drops the KV cache that needs
         # graphed: the forward and backward as CUDA graphs on a GPU with GRPO_LAB_CUDA_GRAPHS=1
-        # (graphs.py); not under DDP, whose gradient bookkeeping follows the eager forward
+        # (graphs.py; eager under DDP, whose gradient bookkeeping follows the eager forward)
         forward = CompletionLogits(policy, share_prompts=fast and not cfg.gradient_checkpointing,
-                                   run_forward=None if world.distributed else graphed)
+                                   run_forward=graphed)
         if world.distributed:
             forward = torch.nn.parallel.DistributedDataParallel(
                 forward, device_ids=[device.index] if device.type == "cuda" else None

@@ -430,7 +430,7 @@ def test_two_forwards_before_one_backward_and_unused_parameters(tiny):
 
 def test_no_training_graph_under_a_process_group(tiny, tmp_path):
     """With a process group up (DDP), the training forward stays eager: DDP's gradient
-    bookkeeping follows the eager forward. The trainer also passes no graph there."""
+    bookkeeping follows the eager forward (the trainer relies on this check alone)."""
     import torch.distributed as dist
 
     model, _ = tiny
@@ -538,3 +538,29 @@ def test_the_training_forward_differentiates_aliases_of_the_parameters(tiny):
     gc.collect()
     (out ** 2).sum().backward()  # the model has gone; its parameter is the caller's
     assert wte.grad is not None and wte.grad.shape == wte.shape
+
+
+def test_a_failed_capture_warns_and_runs_without_a_graph(tiny):
+    """A capture that fails (here: asked for on the CPU, where there is no CUDA stream) is
+    one RuntimeWarning naming what could not be captured; the forward, and the training
+    pass's gradients, then come out as eagerly, and no second capture is tried."""
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    x = torch.randn(2, 3, model.config.n_embd, generator=torch.Generator().manual_seed(0))
+    recorded = graphs.Recorded(lambda: _lm_head_only(model, x), torch.device("cpu"),
+                               (False, torch.bfloat16), graph=True)
+    with pytest.warns(RuntimeWarning, match="a forward could not be captured"):
+        out = recorded()
+    assert not recorded.use_graph and torch.equal(out, _lm_head_only(model, x))
+    (_lm_head_only(model, x) ** 2).sum().backward()
+    expected = model.transformer.wte.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    graphs.graphed(_lm_head_only, model, x, static=True)  # the shape's first call: eager
+    model.zero_grad(set_to_none=True)
+    call = graphs.training_calls(model)[-1]
+    call.use_graph = True
+    with pytest.warns(RuntimeWarning, match="a training forward and its backward could not"):
+        out = graphs.graphed(_lm_head_only, model, x, static=True)
+    (out ** 2).sum().backward()
+    assert call.broken and call.forward_graph is None
+    assert torch.equal(model.transformer.wte.weight.grad, expected)
