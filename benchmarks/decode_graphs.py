@@ -1,6 +1,6 @@
 """GPT-2's forwards as CUDA graphs (grpo_lab/graphs.py) against the eager ones, on the bench's
-work: the sampler's decode step, the reference's forward, and the training forward with its
-backward. Are they as accurate, and how much faster?
+work: the sampler (its prompts' forward and its decode step), the reference's forward, and
+the training forward with its backward. Are they as accurate, and how much faster?
 
     python benchmarks/decode_graphs.py --device cuda --profile gpu --amp bf16 --json F
     python benchmarks/decode_graphs.py                   # CPU: the static buffers, no graph
@@ -191,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                           found[part, False].item(), scale))
             worst[part] = max(worst[part], (excess, i), key=lambda w: w[0])
     kept = graphs._KEPT.get(model, {}).values()
-    captured = {"sampler": [g.run.graph is not None for g in kept
-                            if isinstance(g, graphs.StaticDecoder)],
-                # a set of shapes is captured at its second call: those called once ran eagerly
-                "reference": [g.run.graph is not None for g in kept
-                              if isinstance(g, graphs.GraphedCall) and g.calls > 1],
+    # a set of shapes is captured at its second call: those called once ran eagerly
+    forwards = [g for g in kept if isinstance(g, graphs.GraphedCall) and g.calls > 1]
+    captured = {"sampler": [g.run.graph is not None for g in kept  # its prompts', its step
+                            if isinstance(g, graphs.StaticDecoder)]
+                + [g.run.graph is not None for g in forwards if g.fn is graphs._prompt_pass],
+                "reference": [g.run.graph is not None for g in forwards
+                              if g.fn is not graphs._prompt_pass],
                 "training": [g.forward_graph is not None for g in
                              graphs.training_calls(trained) if g.calls > 1]}
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -7,8 +7,8 @@ code cells passed under nbval; one the deadline cut short is listed as not finis
 seconds of the whole run and of the notebooks; the bench per side (s/step, completion
 tokens/s, MFU against the card's peak), the step-time ratio grpo_lab/TRL and whether the
 bench ran with CUDA graphs; the step's profile per phase; the graphs' check per amp
-(benchmarks/decode_graphs.py: the decode step, the reference's forward, the training pass); the exit code
-of each other command. Prints the summary too.
+(benchmarks/decode_graphs.py: the sampler, the reference's forward, the training pass); the
+exit code of each other command. Prints the summary too.
 """
 
 from __future__ import annotations

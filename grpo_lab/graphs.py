@@ -1,5 +1,5 @@
-"""GPT-2's forwards replayed as CUDA graphs: the sampler's one-token decode step, the
-reference's forward, and the training forward with its backward.
+"""GPT-2's forwards replayed as CUDA graphs: the sampler's forward over the prompts and its
+one-token decode step, the reference's forward, and the training forward with its backward.
 
 On a GPU the course's small batches wait on the host, not on the card: each of GPT-2's ~17
 operators per layer is a kernel launch issued from Python, and the kernels run in less
@@ -18,21 +18,25 @@ runs as it is).
   shapes are fixed: they run on token id 0 (a real token: the pad id may lie outside the
   embedding, report 002), and their logits are replaced by zeros as the eager loop's are, so
   every row draws as it would there.
+- The sampler's forward over the prompts (`static_prompt_forward`, through `graphed`), one
+  graph per prompt shape: with the decode step replayed, the one forward of a rollout that
+  still ran eagerly.
 - The reference's forward (`graphed`): fast.shared_prompt_logits' forward from the distinct
   prompts (found on the host first: their number decides the shapes), over static copies of
   its inputs, one graph per set of input shapes.
 - The training forward (`graphed` with autograd on, `TrainingCall`): the same forward of the
   policy and its backward for the parameters, two graphs per set of input shapes; the loss
   stays eager (it is the learner's code), and the parameters' gradients reach .grad through
-  autograd, as an eager backward's do. After the two graphs above, it was over half of the
-  step on an H200 (benchmarks/gpu/phase-times.txt).
+  autograd, as an eager backward's do. With the decode step's and the reference's graphs,
+  it was over half of the step on an H200 (benchmarks/gpu/phase-times.txt).
 
 GRPO_LAB_CUDA_GRAPHS=1 turns them on. benchmarks/decode_graphs.py (in benchmarks/gpu_checks.sh)
 checks them against the eager computations, which are the reference: on an H200 (2026-11-28,
-benchmarks/gpu/decode-graphs*.txt) the first two gave the same completions in every batch
-and the same error against float64, bf16 and float32; the training pass has not yet run on
-a GPU. Off by default until it has, and the notebooks have run with the graphs on (the run's
-notebooks take GRPO_LAB_CUDA_GRAPHS from NOTEBOOK_GRAPHS). On the CPU the same code runs
+benchmarks/gpu/decode-graphs*.txt) the decode step and the reference's forward gave the same
+completions in every batch and the same error against float64, bf16 and float32; the
+prompts' forward and the training pass have not yet run as graphs on a GPU. Off by default
+until they have, and the notebooks have run with the graphs on (the run's notebooks take
+GRPO_LAB_CUDA_GRAPHS from NOTEBOOK_GRAPHS). On the CPU the same code runs
 over the same static buffers without a graph (`static=True`), which is how
 tests/test_graphs.py checks the buffers against the eager path.
 """
@@ -49,7 +53,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .config import ConfigError
-from .fast import _global_hooks, gpt2_forward, hooked
+from .fast import _global_hooks, gpt2_forward, hooked, writes_out
 
 GRAPHS_ENV = "GRPO_LAB_CUDA_GRAPHS"
 COLUMN_MULTIPLE = 8  # the cache's columns rounded up to this: fewer distinct graphs
@@ -244,6 +248,39 @@ def static_decoder(model, cache, columns: int, static: bool | None = None):
     S = -(-columns // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
     return _kept(model, ("decoder", B, H, S, head, k.dtype, k.device), lambda amp: StaticDecoder(
         model, B, H, S, head, k.dtype, k.device, graph=k.is_cuda, amp=amp))
+
+
+def static_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor,
+                          positions: torch.Tensor, static: bool | None = None):
+    """The sampler's forward over its U distinct prompts, (U, P) ids, mask and positions
+    (gpt2_forward without a cache), through graphed(): a CUDA graph per prompt shape where
+    the static decoder runs (`_applies`, and a model gpt2_forward writes out), else None
+    (the caller runs the forward itself). The same values as that forward: ((U, 1, V)
+    logits of the last column, in the keys' dtype, and the cache as a list of (keys,
+    values) of shape (U, H, P, D/H) per layer)."""
+    if not (writes_out(model) and _applies(model, ids.device, static)):
+        return None
+    with torch.inference_mode():  # graphed() captures a forward in inference mode only
+        flat = graphed(_prompt_pass, model, ids, mask, positions, static=True)
+    cfg = model.config
+    (U, P), H = ids.shape, cfg.n_head
+    shape = (U, H, P, cfg.n_embd // H)
+    per_tensor = shape[0] * shape[1] * shape[2] * shape[3]
+    logits, *kv = flat.split([flat.numel() - 2 * cfg.n_layer * per_tensor]
+                             + [per_tensor] * (2 * cfg.n_layer))
+    cache = [(k.view(shape), v.view(shape)) for k, v in zip(kv[::2], kv[1::2], strict=True)]
+    return logits.view(U, 1, -1), cache
+
+
+def _prompt_pass(model, ids, mask, positions) -> torch.Tensor:
+    """gpt2_forward over prompts as the one tensor graphed() replays: the last column's
+    logits, then every layer's keys and values, flat. One dtype for all: the logits come out
+    of a linear layer as the keys do (autocast's dtype, or the weights'), so the cast is
+    none; tests/test_graphs.py checks the values against the eager forward's."""
+    logits, cache = gpt2_forward(model, ids, mask, positions)
+    dtype = cache[0][0].dtype
+    return torch.cat([logits[:, -1].to(dtype).reshape(-1),
+                      *(t.reshape(-1) for kv in cache for t in kv)])
 
 
 class StaticDecoder:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .fast import cached_forward, select_rows
-from .graphs import static_decoder
+from .graphs import static_decoder, static_prompt_forward
 from .objective import position_ids_from_mask, scale_logits, token_logprobs
 from .startup import gc_paused
 from .tasks import addition_reward
@@ -186,8 +186,9 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
     token's probability interval may go the other way (measured: about 3 in 1e8 draws).
 
     With a static decoder (graphs.py: on a GPU with GRPO_LAB_CUDA_GRAPHS=1, or `static`
-    True) the decode steps run over a static cache, replayed as a CUDA graph on a GPU:
-    finished rows stay in that forward, their logits replaced by the same zeros.
+    True) the prompts' forward and the decode steps run over static buffers, replayed as
+    CUDA graphs on a GPU: finished rows stay in the decode step's forward, their logits
+    replaced by the same zeros.
 
     (B, P) left-padded prompts, rows grouped by prompt -> (B, C) completion ids and the
     (B, C, V) raw float32 logits each token was drawn from (before any processor; zeros
@@ -210,7 +211,8 @@ def decode_loop(model, tokenizer, prompt_ids, prompt_mask, group_size, max_new_t
             return model_forward(*args)
     ids, mask = prompt_ids[::group_size], prompt_mask[::group_size]  # (B/G, P)
     positions = position_ids_from_mask(mask)
-    logits, cache = forward(ids, mask, positions)
+    prompt_pass = static_prompt_forward(model, ids, mask, positions, static)  # graphs.py
+    logits, cache = prompt_pass if prompt_pass is not None else forward(ids, mask, positions)
     cache = select_rows(cache, group_size)  # (B/G, ...) -> (B, ...)
     logits = logits[:, -1].float().repeat_interleave(group_size, 0)  # (B, V)
     mask, position = prompt_mask, positions[:, -1:].repeat_interleave(group_size, 0)

@@ -37,6 +37,12 @@ def decode(model, tok, static: bool, seed: int, max_new_tokens: int = 5, group: 
     return ids, mask, completions, raw
 
 
+def only_decoder(model) -> graphs.StaticDecoder:
+    """The one static decoder kept for the model (beside its prompt forwards)."""
+    decoder, = (g for g in graphs._KEPT[model].values() if isinstance(g, graphs.StaticDecoder))
+    return decoder
+
+
 def test_the_static_decoder_draws_what_the_eager_loop_draws(tiny):
     """Over rollouts whose rows finish at different steps: the same tokens, and at every
     drawn position raw logits as accurate against the float64 forward as the eager loop's
@@ -70,12 +76,12 @@ def test_a_reused_decoder_keeps_nothing_of_the_last_rollout(tiny):
     even NaN, must not reach it (a masked key's weight is 0, and 0 x NaN is NaN)."""
     model, tok = tiny
     _, _, first, raw_first = decode(model, tok, static=True, seed=0)
-    decoder = next(iter(graphs._KEPT[model].values()))
+    decoder = only_decoder(model)
     with torch.inference_mode():  # the buffers are inference tensors
         for t in decoder.keys + decoder.values:
             t.fill_(float("nan"))
     _, _, again, raw_again = decode(model, tok, static=True, seed=0)
-    assert next(iter(graphs._KEPT[model].values())) is decoder  # reused, not rebuilt
+    assert only_decoder(model) is decoder  # reused, not rebuilt
     assert torch.equal(again, first) and torch.equal(raw_again, raw_first)
 
 
@@ -87,6 +93,38 @@ def test_one_new_token_and_every_row_done_at_once(tiny):
         _, _, eager, raw_eager = decode(model, tok, static=False, seed=3, max_new_tokens=n)
         _, _, static, raw_static = decode(model, tok, static=True, seed=3, max_new_tokens=n)
         assert torch.equal(eager, static) and raw_eager.shape == raw_static.shape
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_the_prompts_forward_over_static_inputs(tiny, amp):
+    """The sampler's forward over the prompts through graphed() (static_prompt_forward): at
+    a prompt shape's first call the forward itself, from its second over static copies of
+    the inputs (a graph on a GPU); either way the eager forward's last-column logits and
+    every layer's keys and values bit for bit and in its dtypes (bf16 under autocast), each
+    result a copy that the next call leaves alone; None where the static decoder would not
+    run."""
+    model, tok = tiny
+    batches = [PROMPTS, ["3+4=", "98+76=", "1+1=", "22+2="], PROMPTS[::-1]]  # one shape
+    with torch.inference_mode(), torch.autocast("cpu", dtype=amp or torch.float32,
+                                                enabled=amp is not None):
+        expected, got = [], []
+        for prompts in batches:
+            ids, mask = encode_prompts(tok, prompts, torch.device("cpu"))
+            positions = position_ids_from_mask(mask)
+            logits, cache = cached_forward(model)(ids, mask, positions)
+            expected.append((logits[:, -1:], cache))
+            got.append(graphs.static_prompt_forward(model, ids, mask, positions, static=True))
+        assert graphs.static_prompt_forward(model, ids, mask, positions, static=False) is None
+    call, = (g for g in graphs._KEPT[model].values() if isinstance(g, graphs.GraphedCall))
+    assert call.fn is graphs._prompt_pass and call.calls == 3 and call.run.output is not None
+    for (logits, cache), (e_logits, e_cache) in zip(got, expected, strict=True):
+        assert logits.dtype == e_logits.dtype == (amp or torch.float32)
+        assert torch.equal(logits, e_logits)
+        assert len(cache) == len(e_cache) == model.config.n_layer
+        for (k, v), (e_k, e_v) in zip(cache, e_cache, strict=True):
+            assert k.dtype == e_k.dtype and torch.equal(k, e_k) and torch.equal(v, e_v)
+    model.config.reorder_and_upcast_attn = True  # an option gpt2_forward leaves out
+    assert graphs.static_prompt_forward(model, ids, mask, positions, static=True) is None
 
 
 def prompt_cache(model, tok, group=2):
@@ -171,7 +209,7 @@ def test_under_bf16_autocast_the_cache_is_bf16_and_as_accurate(tiny):
                                       torch.cat([mask, drawn.long()], 1), drawn_ids.shape[1])
         errors[static] = ((raw.double() - truth).abs() * drawn[..., None]).max().item()
         scale = max(scale, truth.abs().max().item())
-    decoder = next(iter(graphs._KEPT[model].values()))
+    decoder = only_decoder(model)
     assert decoder.keys[0].dtype == torch.bfloat16 and decoder.amp == (True, torch.bfloat16)
     assert errors[True] <= as_accurate_bound(errors[False], scale), errors
 
