@@ -14,8 +14,9 @@
 #   2. every notebook, solutions and labs, under the gpu profile, in parallel on the one GPU
 #      under nbval (NOTEBOOKS, NOTEBOOK_WORKERS to change), until GPU_DEADLINE - RESERVE s;
 #   3. reports 000 and 002 as device-side asserts, each in a fresh process, and what the next
-#      CUDA call in that process does; 4. the peak-memory table; 5. the sampler's decode step,
-#      the reference's forward and the training pass as CUDA graphs against the eager ones,
+#      CUDA call in that process does; 4. the peak-memory table; 5. the sampler (its prompts'
+#      forward and decode step), the reference's forward and the training pass as CUDA graphs
+#      against the eager ones,
 #      bf16 and float32 (benchmarks/decode_graphs.py); grpo_lab vs TRL: s/step, tokens/s, MFU,
 #      with the graphs on (BENCH_GRAPHS=0: off), then where grpo_lab's step goes without them
 #      (benchmarks/step_profile.py);
