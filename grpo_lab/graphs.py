@@ -257,8 +257,11 @@ def static_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor,
     the static decoder runs (`_applies`, and a model gpt2_forward writes out), else None
     (the caller runs the forward itself). The same values as that forward: ((U, 1, V)
     logits of the last column, in the keys' dtype, and the cache as a list of (keys,
-    values) of shape (U, H, P, D/H) per layer)."""
-    if not (writes_out(model) and _applies(model, ids.device, static)):
+    values) of shape (U, H, P, D/H) per layer). Not for no rows, nor for an LM head other
+    than GPT-2's own Linear (one that returned float32 logits under autocast would not
+    give them in the keys' dtype)."""
+    if not (len(ids) and writes_out(model) and type(model.lm_head) is torch.nn.Linear
+            and _applies(model, ids.device, static)):
         return None
     with torch.inference_mode():  # graphed() captures a forward in inference mode only
         flat = graphed(_prompt_pass, model, ids, mask, positions, static=True)

@@ -82,6 +82,8 @@ def test_a_reused_decoder_keeps_nothing_of_the_last_rollout(tiny):
             t.fill_(float("nan"))
     _, _, again, raw_again = decode(model, tok, static=True, seed=0)
     assert only_decoder(model) is decoder  # reused, not rebuilt
+    prompts, = (g for g in graphs._KEPT[model].values() if isinstance(g, graphs.GraphedCall))
+    assert prompts.fn is graphs._prompt_pass and prompts.calls == 2  # the prompts' forward too
     assert torch.equal(again, first) and torch.equal(raw_again, raw_first)
 
 
@@ -123,6 +125,17 @@ def test_the_prompts_forward_over_static_inputs(tiny, amp):
         assert len(cache) == len(e_cache) == model.config.n_layer
         for (k, v), (e_k, e_v) in zip(cache, e_cache, strict=True):
             assert k.dtype == e_k.dtype and torch.equal(k, e_k) and torch.equal(v, e_v)
+    assert graphs.static_prompt_forward(model, ids[:0], mask[:0], positions[:0],
+                                        static=True) is None  # no rows: nothing to replay
+
+    class Float32Head(torch.nn.Linear):  # float32 logits under autocast, keys in bf16
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                return super().forward(x.float())
+    head = model.lm_head
+    model.lm_head = Float32Head(head.in_features, head.out_features, bias=False)
+    assert graphs.static_prompt_forward(model, ids, mask, positions, static=True) is None
+    model.lm_head = head
     model.config.reorder_and_upcast_attn = True  # an option gpt2_forward leaves out
     assert graphs.static_prompt_forward(model, ids, mask, positions, static=True) is None
 
