@@ -47,6 +47,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -75,6 +76,24 @@ def graphs_wanted() -> bool:
     if value not in ("0", "1"):
         raise ConfigError(f"{GRAPHS_ENV} must be 0 or 1 (got {value!r})")
     return value == "1"
+
+
+@contextmanager
+def graphs_off():
+    """GRPO_LAB_CUDA_GRAPHS=0 inside (the value before restored after): the eager
+    computations, for a tool that measures a step's own memory (tools/memory.py). A graph
+    keeps static buffers and a memory pool of its own from one step to the next, and a
+    training pass copies its gradients out of them: with the graphs on, two micro-batches
+    of one shape no longer peak at one micro-batch's activations."""
+    before = os.environ.get(GRAPHS_ENV)
+    os.environ[GRAPHS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GRAPHS_ENV, None)
+        else:
+            os.environ[GRAPHS_ENV] = before
 
 
 def _hooked(model: torch.nn.Module) -> bool:

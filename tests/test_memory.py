@@ -118,3 +118,35 @@ def test_bad_input_is_refused_with_its_name(capsys):
         memory.measure_configs([memory.measuring_config()], method="vmstat")
     with pytest.raises(ValueError, match="max_grad_norm=None"):
         memory.capped_step(memory.measuring_config(max_grad_norm=1.0))
+
+
+def test_the_step_is_measured_with_the_graphs_off(monkeypatch):
+    """A CUDA graph keeps buffers and a memory pool of its own across steps: the table, a
+    peak and the capped step measure the step's own tensors, with GRPO_LAB_CUDA_GRAPHS=0
+    inside the measuring worker whatever the caller's environment says (restored after)."""
+    from grpo_lab import graphs
+
+    class Measured(Exception):
+        pass
+
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(graphs.graphs_wanted())
+        raise Measured
+
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
+    monkeypatch.setattr(memory, "_fix_mmap_threshold", lambda: None)
+    monkeypatch.setattr(memory, "_measure_here", record)
+    monkeypatch.setattr(memory, "_build_trainer", record)
+    cfg = memory.measuring_config()
+    threads = torch.get_num_threads()
+    try:
+        for worker in (lambda: memory._measure_worker([cfg.to_dict()], "proc", False),
+                       lambda: memory._capped_step_worker(cfg, 1.0, False)):
+            with pytest.raises(Measured):
+                worker()
+            assert graphs.graphs_wanted()  # the caller's switch, back after the worker
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [False, False]

@@ -6,7 +6,11 @@ activation checkpointing do to it (the "memory pressure" failure of reports 003/
 
 What is measured: the peak of one full `Trainer.step()` (sample, reference forward,
 training forward + backward per micro-batch, optimizer update) above the idle baseline
-after the policy, the reference and the optimizer are built.
+after the policy, the reference and the optimizer are built; with CUDA graphs off
+(`graphs.graphs_off`, whatever GRPO_LAB_CUDA_GRAPHS says), since a graph keeps buffers and
+a memory pool of its own across steps. Measured on the CPU, where the same code runs over
+static buffers without a graph: with them notebook 11's accumulation for a budget of 72 MiB
+peaked at 79 (2026-11-28).
 
 How, per device:
 
@@ -64,6 +68,7 @@ from pathlib import Path
 import torch
 
 from ..config import PROFILE_MODELS, ConfigError, GRPOConfig, resolve_profile
+from ..graphs import graphs_off
 from ..memo import once_per_session
 from ..models import resolve_device
 from ..policy import load_policy
@@ -202,6 +207,7 @@ def _warm_up(cfg: GRPOConfig) -> None:
     _release_free_memory()
 
 
+@graphs_off()  # the step's own tensors, as the course teaches it
 def _measure_worker(configs: list[dict], method: str, warm_up: bool) -> list[dict]:
     torch.set_num_threads(1)
     _fix_mmap_threshold()
@@ -345,7 +351,7 @@ def memory_table(quick: bool = False, device: str | None = None,
     if show:
         m = rows[0]
         where = {"proc": "peak RSS (VmHWM)", "rusage": "peak RSS (ru_maxrss)",
-                 "cuda": "torch.cuda.max_memory_allocated"}[m["method"]]
+                 "cuda": "torch.cuda.max_memory_allocated, CUDA graphs off"}[m["method"]]
         model = PROFILE_MODELS.get(m["profile"], m["profile"])
         print(f"peak memory of one Trainer.step() of {model} above the idle baseline ({where}; "
               f"idle {m['idle_mib']:.0f} MiB after loading the policy, reference and "
@@ -355,6 +361,7 @@ def memory_table(quick: bool = False, device: str | None = None,
 
 
 # ---- the failure: one step under a memory cap ---------------------------------------------
+@graphs_off()
 def _capped_step_worker(cfg: GRPOConfig, budget_mib: float, check_gradient: bool) -> dict:
     """One `Trainer.step()` with only `budget_mib` MiB of memory above what is in use now.
 
