@@ -7,6 +7,10 @@
 #
 #   bash benchmarks/static_notebooks.sh                      # all 28, about 4.5 min on 2 cores
 #   bash benchmarks/static_notebooks.sh solutions/11_capstone.ipynb
+#   bash benchmarks/static_notebooks.sh tests                # the unit tests, about 4 min
+#
+# Over tests/, test_graphs.py::test_which_decoder_the_environment_gets fails by design: it
+# checks that on the CPU GRPO_LAB_CUDA_GRAPHS=1 gives no static decoder, which this undoes.
 #
 # Notebook kernels start plainly here (WARM_KERNELS=0, WARM_CLI=0): the suite's warm servers
 # import grpo_lab before this folder's hook could patch it. Prints the static calls made.

@@ -418,7 +418,7 @@ class GraphedCall:
 
 class TrainingCall:
     """fn(model, *inputs) and its gradient for the model's trainable parameters, for one set
-    of input shapes. The first call runs fn as it is; from the second, the forward and the
+    of input shapes. The first call runs fn itself (`eager`); from the second, the forward and the
     backward each replay a CUDA graph over static copies of the inputs (captured together,
     in one memory pool, on one stream: autograd runs a backward op on its forward op's
     stream), as torch.cuda.make_graphed_callables does, with two differences: the parameters'
@@ -460,14 +460,22 @@ class TrainingCall:
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.calls == 1 or self.broken:
+        if self.calls > 1 and not self.broken:
+            _load(self.inputs, tensors)
+            if self.use_graph and self.forward_graph is None:
+                self._capture()
+            if not self.broken:
+                return _Replayed.apply(self, tensors, *self.params())
+        return self.eager(*tensors)
+
+    def eager(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """fn as it is (a shape's first call, or after a failed capture), with autocast's
+        weight cache off as in the graph: under bf16 a weight cast once per use gets its
+        gradients summed in float32, not in bf16 first, so a run's numbers do not depend on
+        which of its calls were a shape's first (a resumed run's first call of a shape is
+        a later one in the run it resumes)."""
+        with _autocast(self.device, self.amp):
             return self.fn(self.model_ref(), *tensors)
-        _load(self.inputs, tensors)
-        if self.use_graph and self.forward_graph is None:
-            self._capture()
-            if self.broken:
-                return self.fn(self.model_ref(), *tensors)
-        return _Replayed.apply(self, tensors, *self.params())
 
     def _forward(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """fn over the static inputs and aliases of the trainable parameters (tied ones

@@ -591,6 +591,27 @@ def test_the_training_forward_differentiates_aliases_of_the_parameters(tiny):
     assert wte.grad is not None and wte.grad.shape == wte.shape
 
 
+def test_under_bf16_a_shapes_first_call_trains_as_its_later_ones(tiny):
+    """A training pass's first call of a shape runs fn itself, and later ones the graph
+    (here its static path). Under bf16 autocast both run without autocast's weight cache, so
+    the gradients are bit for bit the same whichever call it is: a run resumed from a
+    checkpoint, whose first call of a shape was a later one in the run it resumes, trains
+    as that run did (reliability.check_resumes with the graphs on)."""
+    model, tok = tiny
+    model = copy.deepcopy(model).train()
+    ids, mask, C = rollout(model, tok, seed=2)
+    grads = []
+    for _ in range(3):  # the first call: fn itself; the second and third: the static path
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = reference_logits(model, ids, mask, C)
+        (logits.float().logsumexp(-1) * mask[:, -C:]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    call, = graphs.training_calls(model)
+    assert call.calls == 3 and call.grads is not None  # the static path ran
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[1], grads[2])
+
+
 def test_a_failed_capture_warns_and_runs_without_a_graph(tiny):
     """A capture that fails (here: asked for on the CPU, where there is no CUDA stream) is
     one RuntimeWarning naming what could not be captured; the forward, and the training
