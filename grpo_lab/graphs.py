@@ -469,11 +469,11 @@ class TrainingCall:
         return self.eager(*tensors)
 
     def eager(self, *tensors: torch.Tensor) -> torch.Tensor:
-        """fn as it is (a shape's first call, or after a failed capture), with autocast's
-        weight cache off as in the graph: under bf16 a weight cast once per use gets its
-        gradients summed in float32, not in bf16 first, so a run's numbers do not depend on
-        which of its calls were a shape's first (a resumed run's first call of a shape is
-        a later one in the run it resumes)."""
+        """fn itself (a shape's first call, or after a failed capture), with autocast's
+        weight cache off, as in the graph: under bf16 a weight is then cast at each use and
+        its gradients are summed in float32 (with the cache, in bf16 first). So a run's
+        numbers do not depend on which of its calls were a shape's first: a resumed run's
+        first call of a shape was a later one in the run it resumes."""
         with _autocast(self.device, self.amp):
             return self.fn(self.model_ref(), *tensors)
 
