@@ -12,10 +12,9 @@ the gradient of the mean log-probability of the drawn tokens, accumulated over t
 micro-batches of one shape (the second replays the graph the first one's gradient came
 from: a gradient that aliased the graph's buffer would come out as the second one twice).
 Per path, the error against the same computation in float64 (the drawn tokens' logits,
-teacher-forced; the gradient's entries); each
-static path must be as accurate as its eager one (numerics.as_accurate_bound), and on a GPU
-each must have been captured as a graph (a failed capture only warns, and the computation
-runs without one): exit 1 if not. Reported besides: the batches whose completions came out
+teacher-forced; the gradient's entries); each static path must be as accurate as its eager
+one (numerics.as_accurate_bound), and on a GPU each must have been captured as a graph (a
+failed capture only warns, and the computation runs without one): exit 1 if not. Reported besides: the batches whose completions came out
 identical (rounding in another order can turn a draw at the edge of a token's interval),
 the median time per path after --warmup batches, the first static call's time (the
 capture), and the speed-ups. benchmarks/gpu_checks.sh runs it on the GPU machine.

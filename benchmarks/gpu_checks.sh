@@ -16,10 +16,9 @@
 #   3. reports 000 and 002 as device-side asserts, each in a fresh process, and what the next
 #      CUDA call in that process does; 4. the peak-memory table; 5. the sampler (its prompts'
 #      forward and decode step), the reference's forward and the training pass as CUDA graphs
-#      against the eager ones,
-#      bf16 and float32 (benchmarks/decode_graphs.py); grpo_lab vs TRL: s/step, tokens/s, MFU,
-#      with the graphs on (BENCH_GRAPHS=0: off), then where grpo_lab's step goes without them
-#      (benchmarks/step_profile.py);
+#      against the eager ones, bf16 and float32 (benchmarks/decode_graphs.py); grpo_lab vs
+#      TRL: s/step, tokens/s, MFU, with the graphs on (BENCH_GRAPHS=0: off), then where
+#      grpo_lab's step goes without them (benchmarks/step_profile.py);
 #   6. summary.json: card, date, commit, notebooks passed and total, seconds, the bench per
 #      side, the step-time ratio, the step's profile per phase.
 # ONLY=notebooks: steps 1, 2 and 6 only (a rerun of the notebooks after a full run).
@@ -137,9 +136,9 @@ if [ "$device" = cuda ]; then  # float32 too: another attention kernel than bf16
   run decode-graphs-fp32 "$py" benchmarks/decode_graphs.py --device cuda --profile "$profile" \
     --batches 10 --amp none --json "$out/decode_graphs_fp32.json"
 fi
-# the bench with the decode step, the reference's forward and the training pass as CUDA
-# graphs (grpo_lab/graphs.py; checked by decode-graphs above); the step profile below runs
-# without them
+# the bench with the sampler's forwards, the reference's forward and the training pass as
+# CUDA graphs (grpo_lab/graphs.py; checked by decode-graphs above); the step profile below
+# runs without them
 run bench env GRPO_LAB_CUDA_GRAPHS="${BENCH_GRAPHS:-1}" "$py" -m grpo_lab bench --device "$device" \
   --profile "$profile" "${bench[@]}" --json "$out/bench.json"
 # where grpo_lab's step goes on this device: host and device time, kernel launches and

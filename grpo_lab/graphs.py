@@ -36,9 +36,9 @@ benchmarks/gpu/decode-graphs*.txt) the decode step and the reference's forward g
 completions in every batch and the same error against float64, bf16 and float32; the
 prompts' forward and the training pass have not yet run as graphs on a GPU. Off by default
 until they have, and the notebooks have run with the graphs on (the run's notebooks take
-GRPO_LAB_CUDA_GRAPHS from NOTEBOOK_GRAPHS). On the CPU the same code runs
-over the same static buffers without a graph (`static=True`), which is how
-tests/test_graphs.py checks the buffers against the eager path.
+GRPO_LAB_CUDA_GRAPHS from NOTEBOOK_GRAPHS). On the CPU the same code runs over the same
+static buffers without a graph (`static=True`), which is how tests/test_graphs.py checks the
+buffers against the eager path, and benchmarks/static_notebooks.sh runs every notebook.
 """
 
 from __future__ import annotations
@@ -418,8 +418,8 @@ class GraphedCall:
 
 class TrainingCall:
     """fn(model, *inputs) and its gradient for the model's trainable parameters, for one set
-    of input shapes. The first call runs fn itself (`eager`); from the second, the forward and the
-    backward each replay a CUDA graph over static copies of the inputs (captured together,
+    of input shapes. The first call runs fn itself (`eager`); from the second, the forward and
+    the backward each replay a CUDA graph over static copies of the inputs (captured together,
     in one memory pool, on one stream: autograd runs a backward op on its forward op's
     stream), as torch.cuda.make_graphed_callables does, with two differences: the parameters'
     gradients leave the graph as one fresh copy (make_graphed_callables hands out its static

@@ -12,6 +12,7 @@ import os
 import sys
 
 _import = builtins.__import__
+_GPU = type("Device", (), {"type": "cuda"})()  # all graphs._applies reads of a device
 _counts: collections.Counter = collections.Counter()
 
 
@@ -34,8 +35,8 @@ def _patch() -> None:
     if graphs is None or not hasattr(graphs, "_Replayed") or hasattr(graphs, "_static_on_cpu"):
         return
     graphs._static_on_cpu = True
-    graphs._applies = lambda model, device, static: (
-        static if static is not None else graphs.graphs_wanted() and not graphs._hooked(model))
+    applies = graphs._applies  # graphs.py's own rule, told that the device is a GPU
+    graphs._applies = lambda model, device, static: applies(model, _GPU, static)
     _counted(graphs.StaticDecoder, "step", lambda self: "decode steps")
     _counted(graphs.GraphedCall, "__call__", lambda self: (
         "prompt forwards" if self.fn is graphs._prompt_pass else "reference forwards"))
